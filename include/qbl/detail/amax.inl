@@ -1,0 +1,103 @@
+// Kernels and launcher bodies for qbl/amax.cuh.
+#pragma once
+
+#include <qbl/amax.cuh>
+#include <qbl/detail/vec.cuh>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace qbl::detail {
+
+inline constexpr int amax_block_threads = 512;
+
+template <typename T>
+__device__ __forceinline__ std::uint32_t abs_bits_of(T v) {
+  return abs_bits(to_float(v));
+}
+
+template <typename T, int N>
+__device__ __forceinline__ std::uint32_t max_abs_bits(const Vec<T, N>& v, std::uint32_t m) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) m = max(m, abs_bits_of(v.v[j]));
+  return m;
+}
+
+/// Per-thread max of abs_bits over x[0, n): elements [0, head) and the tail scalar, the aligned
+/// middle as N-wide vectors, four independent loads in flight per iteration.
+/// `thread` / `threads` are this thread's rank and the count taking part.
+template <typename T, int N>
+__device__ __forceinline__ std::uint32_t thread_abs_max_bits(const T* __restrict__ x, std::int64_t n,
+                                                             std::int64_t head, std::int64_t thread,
+                                                             std::int64_t threads) {
+  std::uint32_t m = 0;
+  const std::int64_t nvec = (n - head) / N;
+  const auto* xv = reinterpret_cast<const Vec<T, N>*>(x + head);
+  std::int64_t i = thread;
+  for (; i + 3 * threads < nvec; i += 4 * threads) {
+    const Vec<T, N> a = xv[i];
+    const Vec<T, N> b = xv[i + threads];
+    const Vec<T, N> c = xv[i + 2 * threads];
+    const Vec<T, N> d = xv[i + 3 * threads];
+    m = max_abs_bits(a, m);
+    m = max_abs_bits(b, m);
+    m = max_abs_bits(c, m);
+    m = max_abs_bits(d, m);
+  }
+  for (; i < nvec; i += threads) m = max_abs_bits(xv[i], m);
+  // Scalar head [0, head) and tail [head + nvec * N, n): fewer than 2 * N elements.
+  const std::int64_t tail = head + nvec * N;
+  const std::int64_t rest = head + (n - tail);
+  for (std::int64_t r = thread; r < rest; r += threads) {
+    const std::int64_t idx = r < head ? r : tail + (r - head);
+    m = max(m, abs_bits_of(x[idx]));
+  }
+  return m;
+}
+
+template <typename T, int BLOCK_THREADS, int N>
+QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
+    amax_kernel(const T* __restrict__ x, std::int64_t n, std::int64_t head,
+                std::uint32_t* __restrict__ amax_bits) {
+  using BlockAmax = BlockAbsMax<T, BLOCK_THREADS>;
+  __shared__ typename BlockAmax::TempStorage temp;
+  const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * BLOCK_THREADS + threadIdx.x;
+  const std::int64_t threads = static_cast<std::int64_t>(gridDim.x) * BLOCK_THREADS;
+  const std::uint32_t m =
+      BlockAmax(temp).reduce_bits(thread_abs_max_bits<T, N>(x, n, head, thread, threads));
+  if (threadIdx.x == 0 && m != 0) atomicMax(amax_bits, m);
+}
+
+/// Elements before the first 16-byte-aligned one (x must be aligned to sizeof(T)).
+template <typename T>
+std::int64_t aligned_head(const T* x, std::int64_t n) {
+  const auto misalign = reinterpret_cast<std::uintptr_t>(x) % 16;
+  const std::int64_t head = misalign == 0 ? 0 : static_cast<std::int64_t>((16 - misalign) / sizeof(T));
+  return std::min(head, n);
+}
+
+}  // namespace qbl::detail
+
+namespace qbl {
+
+template <typename T>
+cudaError_t amax(const T* d_x, std::int64_t n, float* d_amax, cudaStream_t stream) {
+  if (n < 0 || (n > 0 && d_x == nullptr) || d_amax == nullptr) return cudaErrorInvalidValue;
+  QBL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_amax, 0, sizeof(float), stream));
+  if (n == 0) return cudaSuccess;
+
+  constexpr int threads = detail::amax_block_threads;
+  constexpr int N = detail::vec16<T>;
+  int sms = 0;
+  QBL_CUDA_RETURN_IF_ERROR(detail::sm_count(&sms));
+  const std::int64_t head = detail::aligned_head(d_x, n);
+  const std::int64_t work = std::max<std::int64_t>((n - head) / N, 1);
+  // Enough resident blocks to fill every multiprocessor; each thread then loops.
+  const std::int64_t blocks =
+      std::min<std::int64_t>(detail::ceil_div<std::int64_t>(work, threads), std::int64_t{sms} * 4);
+  detail::amax_kernel<T, threads, N><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      d_x, n, head, reinterpret_cast<std::uint32_t*>(d_amax));
+  return cudaGetLastError();
+}
+
+}  // namespace qbl

@@ -1,0 +1,23 @@
+// Internal macros shared by the device headers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+// Kernels get hidden visibility so that two shared objects built from these headers never
+// resolve each other's kernel symbols (the same convention as CUB's CUB_DETAIL_KERNEL_ATTRIBUTES).
+#if defined(_WIN32)
+#define QBL_KERNEL __global__
+#else
+#define QBL_KERNEL __global__ __attribute__((visibility("hidden")))
+#endif
+
+#define QBL_HOST_DEVICE __host__ __device__ __forceinline__
+
+/// In a function returning cudaError_t: return the error of `call` if it failed.
+#define QBL_CUDA_RETURN_IF_ERROR(call)                  \
+  do {                                                  \
+    const cudaError_t qbl_status_ = (call);             \
+    if (qbl_status_ != cudaSuccess) return qbl_status_; \
+  } while (0)

@@ -1,0 +1,139 @@
+// qbl/element_math.cuh -- the per-element arithmetic, bit-for-bit what PyTorch eager computes in fp32.
+//
+// Every function here is __host__ __device__ so that the exact same expression is tested on the CPU.
+// Each product, quotient and sum is rounded on its own (no fused multiply-add): on the device through
+// the __f*_rn intrinsics, which the compiler never contracts; on the host through plain IEEE
+// arithmetic (x86-64 does not contract unless FMA code generation and -ffp-contract=fast are both
+// enabled; qbl's own tests build with -ffp-contract=off).
+//
+//   float scale = qbl::scale_from_amax(amax);                 // clamp(amax, 1e-8) * fl(1/127)
+//   float alpha = qbl::sigmoid(logit);                        // 1 / (1 + exp(-logit))
+//   float m     = qbl::blend(x, qbl::fake_quant(x, scale), alpha);
+#pragma once
+
+#include <qbl/detail/config.cuh>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace qbl {
+
+/// Lower clamp of amax before it becomes a scale (eager: `amax.clamp(min=1e-8)`, 1e-8 as float).
+inline constexpr float amax_floor = 1e-8f;
+
+/// fl(1/127): eager computes `amax / 127.0` as `amax * (1.0f / 127.0f)` for a CPU scalar divisor.
+inline constexpr float inv_127 = 1.0f / 127.0f;
+
+/// Symmetric int8 range.
+inline constexpr float qmax = 127.0f;
+
+namespace detail {
+
+QBL_HOST_DEVICE float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+QBL_HOST_DEVICE float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+QBL_HOST_DEVICE float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+QBL_HOST_DEVICE float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+/// Round to nearest integer, ties to even (torch.round == nearbyint in the default mode).
+QBL_HOST_DEVICE float round_half_even(float v) {
+#if defined(__CUDA_ARCH__)
+  return rintf(v);
+#else
+  return std::nearbyint(v);
+#endif
+}
+
+QBL_HOST_DEVICE std::uint32_t float_bits(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(v);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return u;
+#endif
+}
+
+QBL_HOST_DEVICE float bits_float(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+#endif
+}
+
+}  // namespace detail
+
+/// The bits of |v| as an unsigned integer. For IEEE floats with the sign cleared, unsigned order is
+/// numeric order, and every NaN orders above +Inf: an unsigned max over these bits is a max over |x|
+/// that propagates NaN (which fmaxf and a float max would drop). -0.0 maps to 0.
+QBL_HOST_DEVICE std::uint32_t abs_bits(float v) { return detail::float_bits(v) & 0x7fffffffu; }
+
+/// The float whose bits `abs_bits` produced.
+QBL_HOST_DEVICE float from_abs_bits(std::uint32_t bits) { return detail::bits_float(bits); }
+
+/// clamp(v, lo, hi) as torch.clamp: NaN stays NaN.
+QBL_HOST_DEVICE float clamp_keep_nan(float v, float lo, float hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+/// scale = clamp(amax, min=1e-8) * fl(1/127). NaN stays NaN, +Inf stays +Inf.
+QBL_HOST_DEVICE float scale_from_amax(float amax) {
+  const float clamped = amax < amax_floor ? amax_floor : amax;
+  return detail::mul_rn(clamped, inv_127);
+}
+
+/// alpha = 1 / (1 + exp(-l)) with IEEE division, as torch.sigmoid in fp32. On the device this is
+/// the CUDA math library's expf (what eager's kernel calls); the host's expf may differ in the last
+/// place, so host-side references take alpha from the device.
+QBL_HOST_DEVICE float sigmoid(float l) {
+  return detail::div_rn(1.0f, detail::add_rn(1.0f, expf(-l)));
+}
+
+/// x_q = clamp(round_half_even(x / scale), -127, 127) * scale, with true IEEE division.
+QBL_HOST_DEVICE float fake_quant(float x, float scale) {
+  const float q = clamp_keep_nan(detail::round_half_even(detail::div_rn(x, scale)), -qmax, qmax);
+  return detail::mul_rn(q, scale);
+}
+
+/// mixed = (alpha * x_q) + ((1 - alpha) * x), three separate roundings.
+/// `one_minus_alpha` is passed in so that a caller can compute it once per token.
+QBL_HOST_DEVICE float blend(float x, float x_q, float alpha, float one_minus_alpha) {
+  return detail::add_rn(detail::mul_rn(alpha, x_q), detail::mul_rn(one_minus_alpha, x));
+}
+
+/// mixed for one element, all steps.
+QBL_HOST_DEVICE float quant_blend(float x, float alpha, float scale) {
+  return blend(x, fake_quant(x, scale), alpha, detail::sub_rn(1.0f, alpha));
+}
+
+}  // namespace qbl

@@ -1,0 +1,104 @@
+// qbl/gemm.hpp -- a thin cuBLASLt wrapper for nn.Linear: out = a · wᵀ + bias, row-major.
+//
+// Stage 3 of the layer. Row-major [tokens, out] = [tokens, in] · [out, in]ᵀ is computed as the
+// column-major product outᵀ = w · aᵀ (m = out, n = tokens, k = in; A = w transposed, B = a),
+// which is the same TN product PyTorch issues for nn.Linear; the bias is added by the GEMM's
+// CUBLASLT_EPILOGUE_BIAS. Host-only: include it from plain C++.
+//
+// Everything cuBLASLt needs -- handle, descriptors, layouts, preference and the algorithm for each
+// token-count bucket, pointer alignment and bias/no-bias case -- is created in the constructor.
+// run() sets the token count and bias pointer on the existing descriptors and enqueues
+// cublasLtMatmul: no allocation, no heuristic query, no synchronization, so it can be captured in a
+// CUDA graph.
+//
+//   qbl::LinearGemm<float> gemm(in, out, max_tokens);
+//   void* ws;  cudaMalloc(&ws, gemm.workspace_bytes());
+//   cublasStatus_t s = gemm.run(d_a, d_w, d_bias, d_out, tokens, ws, stream);
+#pragma once
+
+#include <qbl/detail/handles.hpp>
+#include <qbl/error.hpp>
+#include <qbl/options.hpp>
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace qbl {
+
+/// cuBLASLt type codes for an element type. Specialized for float.
+template <typename T>
+struct gemm_traits;
+
+template <>
+struct gemm_traits<float> {
+  static constexpr cudaDataType_t data_type = CUDA_R_32F;
+  static cublasComputeType_t compute_type(const Options& o) {
+    return o.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  }
+};
+
+/// out[tokens, out_features] = a[tokens, in_features] · w[out_features, in_features]ᵀ (+ bias).
+///
+/// Move-only; owns its cuBLASLt handle and descriptors. One instance serves one stream at a time:
+/// run() updates the descriptors it owns before it enqueues the product.
+template <typename T>
+class LinearGemm {
+ public:
+  /// Plans the product for every token count in [1, max_tokens].
+  /// \throws qbl::invalid_argument for non-positive sizes, qbl::cublas_error if cuBLASLt has no
+  ///         algorithm for the shape.
+  LinearGemm(std::int64_t in_features, std::int64_t out_features, std::int64_t max_tokens,
+             const Options& options = {});
+
+  LinearGemm(LinearGemm&&) noexcept = default;
+  LinearGemm& operator=(LinearGemm&&) noexcept = default;
+  LinearGemm(const LinearGemm&) = delete;
+  LinearGemm& operator=(const LinearGemm&) = delete;
+
+  /// Enqueues the product on `stream`. `bias` may be nullptr (no bias). `workspace` must hold
+  /// workspace_bytes() bytes (or be nullptr when that is 0). Pointers need only element alignment;
+  /// 16-byte-aligned ones get the fastest algorithms.
+  /// Returns CUBLAS_STATUS_INVALID_VALUE for tokens outside [0, max_tokens]; tokens == 0 does
+  /// nothing.
+  cublasStatus_t run(const T* a, const T* w, const T* bias, T* out, std::int64_t tokens,
+                     void* workspace, cudaStream_t stream = nullptr);
+
+  /// Workspace bytes run() may use.
+  std::size_t workspace_bytes() const noexcept { return workspace_bytes_; }
+
+  /// The token-count buckets planned: bucket i serves tokens in (bucket(i-1), bucket(i)].
+  const std::vector<std::int64_t>& buckets() const noexcept { return buckets_; }
+
+  std::int64_t in_features() const noexcept { return k_; }
+  std::int64_t out_features() const noexcept { return m_; }
+  std::int64_t max_tokens() const noexcept { return max_tokens_; }
+
+ private:
+  // Alignment class of a call: every pointer 16-byte aligned, or only element-aligned.
+  static constexpr int aligned16 = 0;
+  static constexpr int unaligned = 1;
+
+  struct Plan {
+    cublasLtMatmulAlgo_t algo[2][2];  // [has_bias][alignment class]
+  };
+
+  void plan_bucket(std::size_t i);
+  void set_tokens(std::int64_t tokens);
+
+  std::int64_t k_ = 0, m_ = 0, max_tokens_ = 0;
+  std::size_t workspace_bytes_ = 0;
+  detail::lt_handle handle_;
+  detail::lt_matmul_desc desc_[2];  // [has_bias]
+  detail::lt_layout a_layout_, b_layout_, c_layout_;
+  detail::lt_preference pref_[2];   // [alignment class]
+  std::vector<std::int64_t> buckets_;
+  std::vector<Plan> plans_;
+};
+
+}  // namespace qbl
+
+#include <qbl/detail/gemm.inl>

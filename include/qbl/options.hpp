@@ -1,0 +1,23 @@
+// qbl/options.hpp -- construction-time settings of qbl::QuantBlendLinear and qbl::LinearGemm.
+#pragma once
+
+#include <cstddef>
+
+namespace qbl {
+
+/// Every field has a default that suits an H200; construct with `{}` and override what you need.
+///
+///   qbl::Options opt;
+///   opt.cublas_workspace_bytes = 4u << 20;
+///   qbl::QuantBlendLinear<float> layer(4096, 4096, 16384, opt);
+struct Options {
+  /// cuBLASLt workspace owned by the layer (Hopper's recommended size). 0 restricts the GEMM to
+  /// algorithms that need none.
+  std::size_t cublas_workspace_bytes = 32u << 20;
+
+  /// fp32 only: run the GEMM as CUBLAS_COMPUTE_32F_FAST_TF32 (torch.backends.cuda.matmul.allow_tf32
+  /// = True). Off by default, so results match PyTorch's default fp32 matmul.
+  bool allow_tf32 = false;
+};
+
+}  // namespace qbl

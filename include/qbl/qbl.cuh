@@ -1,0 +1,15 @@
+// qbl/qbl.cuh -- umbrella header: everything in qbl.
+//
+//   #include <qbl/qbl.cuh>
+//   qbl::QuantBlendLinear<float> layer(in_features, out_features, max_tokens);
+//   layer.forward(d_x, d_logits, d_weight, d_bias, d_out, tokens, stream);
+#pragma once
+
+#include <qbl/amax.cuh>
+#include <qbl/element_math.cuh>
+#include <qbl/error.hpp>
+#include <qbl/gemm.hpp>
+#include <qbl/options.hpp>
+#include <qbl/quant_blend.cuh>
+#include <qbl/quant_blend_linear.cuh>
+#include <qbl/version.hpp>
