@@ -33,10 +33,12 @@ inline int current_device() {
 
 /// Checks the construction sizes before anything is allocated; returns the current device.
 inline int validated_device(std::int64_t in_features, std::int64_t out_features,
-                            std::int64_t max_tokens) {
+                            std::int64_t max_tokens, std::size_t elem) {
   QBL_EXPECTS(in_features > 0 && out_features > 0, qbl::invalid_argument,
               "in_features and out_features must be positive");
   QBL_EXPECTS(max_tokens > 0, qbl::invalid_argument, "max_tokens must be positive");
+  checked_bytes(max_tokens, in_features, elem);
+  checked_bytes(out_features, in_features, elem);
   return current_device();
 }
 
@@ -58,7 +60,7 @@ QuantBlendLinear<T>::QuantBlendLinear(std::int64_t in_features, std::int64_t out
       out_(out_features),
       max_tokens_(max_tokens),
       options_(options),
-      device_(detail::validated_device(in_features, out_features, max_tokens)),
+      device_(detail::validated_device(in_features, out_features, max_tokens, sizeof(T))),
       stats_(stats_bytes),
       mixed_(detail::checked_bytes(max_tokens, in_features, sizeof(T))),
       cublas_workspace_(options.cublas_workspace_bytes),

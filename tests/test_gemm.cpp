@@ -1,0 +1,102 @@
+// qbl/gemm.hpp: the cuBLASLt wrapper, from a plain C++ translation unit (the header is host-only),
+// against a float64 CPU product.
+#include <qbl/gemm.hpp>
+
+#include "test_support.hpp"
+
+#include <string>
+#include <vector>
+
+namespace {
+
+TEST(LinearGemm, RejectsBadSizesBeforeTouchingCuda) {
+  EXPECT_THROW(qbl::LinearGemm<float>(0, 4, 4), qbl::invalid_argument);
+  EXPECT_THROW(qbl::LinearGemm<float>(4, -1, 4), qbl::invalid_argument);
+  EXPECT_THROW(qbl::LinearGemm<float>(4, 4, 0), qbl::invalid_argument);
+}
+
+TEST(LinearGemm, BucketsCoverEveryTokenCount) {
+  QBL_REQUIRE_GPU();
+  qbl::LinearGemm<float> g(8, 8, 2049);
+  const auto& b = g.buckets();
+  ASSERT_FALSE(b.empty());
+  EXPECT_EQ(b.front(), 1);
+  EXPECT_EQ(b.back(), 2049);
+  for (std::size_t i = 1; i < b.size(); ++i) EXPECT_LT(b[i - 1], b[i]);
+}
+
+struct GemmCase {
+  std::int64_t tokens, in, out;
+  bool bias;
+  std::size_t offset;  // element offset of w, out and bias
+};
+
+void PrintTo(const GemmCase& c, std::ostream* os) {
+  *os << "tokens=" << c.tokens << " in=" << c.in << " out=" << c.out << " bias=" << c.bias
+      << " offset=" << c.offset;
+}
+
+class LinearGemmDevice : public ::testing::TestWithParam<GemmCase> {};
+
+TEST_P(LinearGemmDevice, MatchesFloat64) {
+  QBL_REQUIRE_GPU();
+  const auto [tokens, in, out, has_bias, off] = GetParam();
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::int64_t max_tokens = 2049;
+  auto a = qbl_test::randn(static_cast<std::size_t>(tokens * in), seed);
+  auto w = qbl_test::randn(static_cast<std::size_t>(out * in), seed + 1, 0.05f);
+  auto b = qbl_test::randn(static_cast<std::size_t>(out), seed + 2);
+  qbl_test::DeviceArray<float> da(a.size()), dw(w.size() + off), db(b.size() + off),
+      dout(static_cast<std::size_t>(tokens * out) + off);
+  QBL_ASSERT_CUDA(qbl_test::to_device(da.get(), a));
+  QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(off), w));
+  QBL_ASSERT_CUDA(qbl_test::to_device(db.get(off), b));
+  QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, (tokens * out + off) * sizeof(float)));
+
+  qbl::LinearGemm<float> gemm(in, out, max_tokens);
+  qbl_test::DeviceArray<unsigned char> ws(gemm.workspace_bytes());
+  ASSERT_EQ(gemm.run(da.get(), dw.get(off), has_bias ? db.get(off) : nullptr, dout.get(off), tokens,
+                     ws.get(), nullptr),
+            CUBLAS_STATUS_SUCCESS);
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<float> got(static_cast<std::size_t>(tokens * out));
+  QBL_ASSERT_CUDA(qbl_test::to_host(got, dout.get(off)));
+  const auto want = qbl_test::linear_reference(a, w, has_bias ? b.data() : nullptr, tokens, in, out);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    ASSERT_FALSE(std::isnan(got[i])) << "element " << i << " unwritten or NaN";
+  }
+  EXPECT_LT(qbl_test::relative_error(got, want), 1e-5);
+}
+
+std::vector<GemmCase> gemm_cases() {
+  std::vector<GemmCase> c;
+  for (std::int64_t t : {1, 3, 7, 65, 217, 2047, 2049}) {
+    c.push_back({t, 256, 256, true, 0});
+    c.push_back({t, 96, 40, false, 0});
+  }
+  c.push_back({65, 217, 65, true, 1});
+  c.push_back({2049, 64, 128, true, 1});
+  c.push_back({100, 7, 3, true, 0});
+  c.push_back({5, 1, 1, false, 1});
+  return c;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LinearGemmDevice, ::testing::ValuesIn(gemm_cases()),
+                         [](const ::testing::TestParamInfo<GemmCase>& i) {
+                           return "t" + std::to_string(i.param.tokens) + "_in" +
+                                  std::to_string(i.param.in) + "_out" +
+                                  std::to_string(i.param.out) + (i.param.bias ? "_bias" : "_nobias") +
+                                  "_off" + std::to_string(i.param.offset);
+                         });
+
+TEST(LinearGemmDevice, RunRejectsTokensOutOfRange) {
+  QBL_REQUIRE_GPU();
+  qbl::LinearGemm<float> gemm(8, 8, 16);
+  float* p = reinterpret_cast<float*>(16);
+  EXPECT_EQ(gemm.run(p, p, nullptr, p, 17, nullptr), CUBLAS_STATUS_INVALID_VALUE);
+  EXPECT_EQ(gemm.run(p, p, nullptr, p, -1, nullptr), CUBLAS_STATUS_INVALID_VALUE);
+  EXPECT_EQ(gemm.run(nullptr, nullptr, nullptr, nullptr, 0, nullptr), CUBLAS_STATUS_SUCCESS);
+}
+
+}  // namespace

@@ -1,0 +1,169 @@
+// qbl/quant_blend.cuh: the fused quant-blend launchers against a CPU reference, element-exact.
+#include <qbl/quant_blend.cuh>
+
+#include "test_support.hpp"
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace {
+
+using qbl_test::bits;
+
+TEST(QuantBlend, RejectsBadArgumentsWithoutLaunching) {
+  float d = 0;
+  EXPECT_EQ(qbl::quant_blend<float>(&d, &d, &d, &d, -1, 4), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::quant_blend<float>(&d, &d, &d, &d, 4, 0), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::quant_blend<float>(nullptr, &d, &d, &d, 4, 4), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::quant_blend<float>(&d, nullptr, &d, &d, 4, 4), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::quant_blend<float>(&d, &d, nullptr, &d, 4, 4), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::quant_blend<float>(&d, &d, &d, nullptr, 4, 4), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::amax_quant_blend<float>(&d, &d, &d, 4, 4, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::amax_quant_blend<float>(&d, &d, &d, 4, -4, &d, nullptr), cudaErrorInvalidValue);
+  // tokens == 0 is a no-op, null buffers allowed.
+  EXPECT_EQ(qbl::quant_blend<float>(nullptr, nullptr, &d, nullptr, 0, 4), cudaSuccess);
+}
+
+/// alpha as the device computes it: the reference takes sigmoid from the GPU's expf, as eager does.
+__global__ void device_sigmoid(const float* l, float* alpha, std::int64_t n) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) alpha[i] = qbl::sigmoid(l[i]);
+}
+
+struct Inputs {
+  std::vector<float> x, logits, alpha;
+};
+
+std::vector<float> cpu_mixed(const Inputs& in, std::int64_t tokens, std::int64_t features,
+                             float* scale_out = nullptr) {
+  std::uint32_t m = 0;
+  for (float v : in.x) m = std::max(m, qbl::abs_bits(v));
+  const float scale = qbl::scale_from_amax(qbl::from_abs_bits(m));
+  if (scale_out) *scale_out = scale;
+  std::vector<float> r(in.x.size());
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t c = 0; c < features; ++c)
+      r[t * features + c] = qbl::quant_blend(in.x[t * features + c], in.alpha[t], scale);
+  return r;
+}
+
+enum class Path { two_stage, combined };
+
+struct Case {
+  std::int64_t tokens, features;
+  std::size_t offset;  // element offset of x and mixed
+  Path path;
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "tokens=" << c.tokens << " features=" << c.features << " offset=" << c.offset
+      << (c.path == Path::two_stage ? " two-stage" : " combined");
+}
+
+class QuantBlendDevice : public ::testing::TestWithParam<Case> {
+ protected:
+  /// Runs the launcher on fresh random inputs (optionally edited) and compares with the CPU.
+  template <typename Edit>
+  void run_and_compare(Edit&& edit) {
+    QBL_REQUIRE_GPU();
+    const auto [tokens, features, offset, path] = GetParam();
+    const std::uint64_t seed = qbl_test::fresh_seed();
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    const auto n = static_cast<std::size_t>(tokens * features);
+    Inputs in{qbl_test::randn(n, seed), qbl_test::randn(tokens, seed + 1, 2.0f), {}};
+    edit(in);
+    qbl_test::DeviceArray<float> dx(n + offset), dl(tokens), dalpha(tokens), dm(n + offset),
+        dstats(2);
+    ASSERT_TRUE(dx.ok() && dm.ok());
+    QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(offset), in.x));
+    QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(), in.logits));
+    device_sigmoid<<<(tokens + 255) / 256, 256>>>(dl.get(), dalpha.get(), tokens);
+    QBL_ASSERT_CUDA(cudaGetLastError());
+    in.alpha.resize(tokens);
+    QBL_ASSERT_CUDA(qbl_test::to_host(in.alpha, dalpha.get()));
+
+    QBL_ASSERT_CUDA(cudaMemset(dm.get(), qbl_test::poison_byte, (n + offset) * sizeof(float)));
+    QBL_ASSERT_CUDA(cudaMemset(dstats.get(), qbl_test::poison_byte, 2 * sizeof(float)));
+    float* d_amax = dstats.get();
+    float* d_scale = dstats.get(1);
+    if (path == Path::two_stage) {
+      QBL_ASSERT_CUDA(qbl::amax(dx.get(offset), tokens * features, d_amax));
+      QBL_ASSERT_CUDA(qbl::quant_blend(dx.get(offset), dl.get(), d_amax, dm.get(offset), tokens,
+                                       features, d_scale));
+    } else {
+      QBL_ASSERT_CUDA(qbl::amax_quant_blend(dx.get(offset), dl.get(), dm.get(offset), tokens,
+                                            features, d_amax, d_scale));
+    }
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<float> got(n), stats(2);
+    QBL_ASSERT_CUDA(qbl_test::to_host(got, dm.get(offset)));
+    QBL_ASSERT_CUDA(qbl_test::to_host(stats, dstats.get()));
+    float want_scale = 0;
+    mixed_ = cpu_mixed(in, tokens, features, &want_scale);
+    got_ = got;
+    EXPECT_TRUE(qbl_test::bits_equal(got, mixed_, static_cast<std::size_t>(features)));
+    if (std::isnan(want_scale)) {
+      EXPECT_TRUE(std::isnan(stats[1]));
+    } else {
+      EXPECT_EQ(bits(stats[1]), bits(want_scale));
+    }
+    if (offset > 0) {  // the element before the output must stay poisoned
+      std::vector<float> before(1);
+      QBL_ASSERT_CUDA(qbl_test::to_host(before, dm.get()));
+      EXPECT_EQ(bits(before[0]), 0xffffffffu) << "wrote before the output";
+    }
+  }
+  std::vector<float> mixed_, got_;
+};
+
+TEST_P(QuantBlendDevice, RandomMatchesCpu) {
+  run_and_compare([](Inputs&) {});
+}
+
+TEST_P(QuantBlendDevice, NaNInXMakesEverythingNaN) {
+  run_and_compare([](Inputs& in) { in.x[in.x.size() / 2] = std::numeric_limits<float>::quiet_NaN(); });
+  for (float v : got_) ASSERT_TRUE(std::isnan(v));
+}
+
+TEST_P(QuantBlendDevice, InfInXMakesEverythingNaN) {
+  run_and_compare([](Inputs& in) { in.x.back() = -std::numeric_limits<float>::infinity(); });
+  for (float v : got_) ASSERT_TRUE(std::isnan(v));
+}
+
+TEST_P(QuantBlendDevice, NaNLogitMakesItsRowNaN) {
+  const std::int64_t features = GetParam().features;
+  run_and_compare([](Inputs& in) {
+    in.logits[0] = std::numeric_limits<float>::quiet_NaN();
+    if (in.logits.size() > 2) {
+      in.logits[1] = std::numeric_limits<float>::infinity();
+      in.logits[2] = -std::numeric_limits<float>::infinity();
+    }
+  });
+  if (IsSkipped() || got_.empty()) return;
+  for (std::int64_t c = 0; c < features; ++c) ASSERT_TRUE(std::isnan(got_[c]));
+  for (std::size_t i = features; i < got_.size(); ++i) ASSERT_FALSE(std::isnan(got_[i])) << i;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> c;
+  const std::pair<std::int64_t, std::int64_t> shapes[] = {
+      {1, 1},     {1, 3},    {3, 7},     {7, 65},    {65, 217},  {217, 2047}, {2047, 3},
+      {2049, 65}, {65, 2049}, {1, 2048}, {8, 1024},  {64, 256},  {512, 512},  {33, 4096},
+      {2, 8192},  {257, 768}, {3, 1}};
+  for (auto [t, f] : shapes)
+    for (std::size_t off : {0, 1})
+      for (Path p : {Path::two_stage, Path::combined}) c.push_back({t, f, off, p});
+  return c;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, QuantBlendDevice, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) {
+                           return "t" + std::to_string(i.param.tokens) + "_f" +
+                                  std::to_string(i.param.features) + "_off" +
+                                  std::to_string(i.param.offset) +
+                                  (i.param.path == Path::two_stage ? "_twostage" : "_combined");
+                         });
+
+}  // namespace

@@ -1,0 +1,149 @@
+// Shared helpers for qbl's tests: GPU detection, device buffers, random inputs, bit comparison.
+// Host-only so that plain C++ tests (test_error.cpp, test_gemm.cpp) can use it too.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace qbl_test {
+
+/// Is a CUDA device usable? Asked only from inside a test, after gtest has started.
+inline bool gpu_available(std::string* why = nullptr) {
+  static const std::string reason = [] {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return std::string("no usable CUDA device (cudaGetDeviceCount: ") + cudaGetErrorName(e) + ")";
+    }
+    return n == 0 ? std::string("no CUDA device present") : std::string();
+  }();
+  if (why != nullptr) *why = reason;
+  return reason.empty();
+}
+
+}  // namespace qbl_test
+
+/// Skips the current test, with the reason, on a machine without a usable GPU.
+#define QBL_REQUIRE_GPU()                                      \
+  do {                                                         \
+    std::string qbl_why_;                                      \
+    if (!::qbl_test::gpu_available(&qbl_why_)) GTEST_SKIP() << qbl_why_; \
+  } while (0)
+
+#define QBL_ASSERT_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+namespace qbl_test {
+
+/// A device allocation for a test; frees itself.
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(std::size_t n, std::size_t pad = 0) : n_(n) {
+    if (cudaMalloc(&base_, (n + pad) * sizeof(T) + 16) != cudaSuccess) base_ = nullptr;
+  }
+  ~DeviceArray() { cudaFree(base_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  /// Element `offset` of the allocation (offset 1 gives a pointer misaligned for vectors).
+  T* get(std::size_t offset = 0) const { return static_cast<T*>(base_) + offset; }
+  bool ok() const { return base_ != nullptr; }
+  std::size_t size() const { return n_; }
+
+ private:
+  void* base_ = nullptr;
+  std::size_t n_;
+};
+
+template <typename T>
+cudaError_t to_device(T* d, const std::vector<T>& h) {
+  return cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+}
+
+template <typename T>
+cudaError_t to_host(std::vector<T>& h, const T* d) {
+  return cudaMemcpy(h.data(), d, h.size() * sizeof(T), cudaMemcpyDeviceToHost);
+}
+
+/// Fresh seed per run; print it with SCOPED_TRACE so a failure can be replayed.
+inline std::uint64_t fresh_seed() {
+  static std::random_device rd;
+  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+}
+
+inline std::vector<float> randn(std::size_t n, std::uint64_t seed, float stddev = 1.0f) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> dist(0.0f, stddev);
+  std::vector<float> v(n);
+  for (auto& e : v) e = dist(gen);
+  return v;
+}
+
+inline std::uint32_t bits(float v) {
+  std::uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return u;
+}
+
+/// A quiet NaN with a payload no kernel produces: an element left unwritten stays this.
+inline constexpr std::uint8_t poison_byte = 0xff;
+
+/// Expects `actual` and `expected` to hold the same bits everywhere; reports the first mismatches.
+inline ::testing::AssertionResult bits_equal(const std::vector<float>& actual,
+                                             const std::vector<float>& expected,
+                                             std::size_t row_length = 0) {
+  if (actual.size() != expected.size()) return ::testing::AssertionFailure() << "size mismatch";
+  std::size_t bad = 0;
+  auto failure = ::testing::AssertionFailure();
+  for (std::size_t i = 0; i < actual.size(); ++i) {
+    if (bits(actual[i]) == bits(expected[i])) continue;
+    if (std::isnan(actual[i]) && std::isnan(expected[i]) && bits(actual[i]) != 0xffffffffu) continue;
+    if (bad < 8) {
+      failure << "\n  index " << i;
+      if (row_length != 0) failure << " (row " << i / row_length << ", col " << i % row_length << ")";
+      failure << ": expected " << expected[i] << " (0x" << std::hex << bits(expected[i])
+              << "), actual " << actual[i] << " (0x" << bits(actual[i]) << std::dec << ")";
+    }
+    ++bad;
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return failure << "\n  " << bad << " of " << actual.size() << " elements differ";
+}
+
+/// ||a - b|| / ||b|| in double.
+inline double relative_error(const std::vector<float>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += b[i] * b[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+/// out[t, o] = sum_i a[t, i] * w[o, i] + bias[o], in double.
+inline std::vector<double> linear_reference(const std::vector<float>& a, const std::vector<float>& w,
+                                            const float* bias, std::int64_t tokens,
+                                            std::int64_t in, std::int64_t out) {
+  std::vector<double> r(static_cast<std::size_t>(tokens * out));
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    for (std::int64_t o = 0; o < out; ++o) {
+      double s = bias != nullptr ? bias[o] : 0.0;
+      const float* ar = &a[t * in];
+      const float* wr = &w[o * in];
+      for (std::int64_t i = 0; i < in; ++i) s += static_cast<double>(ar[i]) * wr[i];
+      r[t * out + o] = s;
+    }
+  }
+  return r;
+}
+
+}  // namespace qbl_test
