@@ -847,8 +847,10 @@ const Column columns[] = {
     {"graph ms", [](const Row& r) { return fmt("%.4f", r.ms(graph_item)); }},
     {"amax ms", [](const Row& r) { return fmt("%.4f", r.ms(amax_item)); }},
     {"qb ms", [](const Row& r) { return fmt("%.4f", r.ms(quant_blend_item)); }},
+    {"fused ms", [](const Row& r) { return fmt("%.4f", r.ms(fused_prologue_item)); }},
     {"gemm ms", [](const Row& r) { return fmt("%.4f", r.ms(gemm_item)); }},
     {"bare ms", [](const Row& r) { return fmt("%.4f", r.ms(bare_gemm_item)); }},
+    {"gemm/bare", [](const Row& r) { return fmt("%.3f", r.ms(gemm_item) / r.ms(bare_gemm_item)); }},
     {"eager ms", [](const Row& r) { return fmt("%.4f", r.ms(eager_item)); }},
     {"copy GB/s", [](const Row& r) { return fmt("%.0f", r.copy_gbps()); }},
     {"floor ms", [](const Row& r) { return fmt("%.4f", r.floor_ms()); }},
@@ -908,7 +910,9 @@ void write_md(const std::string& path, const GpuInfo& gpu, const Args& args, con
   std::fprintf(f,
                "Median of per-run CUDA-event times (>= %d runs and >= %.0f ms per item), inputs "
                "rotating over >= 3 x L2. floor = bare cuBLASLt GEMM+bias + 2*tokens*D*4 B at copy "
-               "bandwidth. prol GB/s = 3*tokens*D*4 B / (amax + quant_blend).\n\n",
+               "bandwidth. prol GB/s = 3*tokens*D*4 B / (amax + quant_blend). fused = "
+               "qbl::amax_quant_blend, the prologue as forward() issues it (one single-block launch "
+               "up to 2^15 elements).\n\n",
                args.reps, args.min_ms);
   for (int c = 0; c < column_count; ++c) std::fprintf(f, "| %s ", columns[c].header);
   std::fprintf(f, "|\n");
@@ -974,6 +978,14 @@ Row bench_shape(const Shape& shape, const GpuInfo& gpu, const Args& args, cudaSt
   BareGemm bare(d, d, tokens, w.as(), bias.as());
   EagerChain chain(tokens, d, gpu.sms, bare);
   row.bare_algo = bare.describe();
+  // What construction-time autotuning measured for this token count (bias epilogue).
+  for (const qbl::GemmTuning& r : layer.gemm().tuning()) {
+    if (r.tokens == tokens && r.bias) {
+      std::printf("  autotune: %d candidates, cuBLASLt's first %.4f ms, chosen #%d %.4f ms (%.1f%% faster); %s\n",
+                  r.candidates, r.first_ms, r.chosen, r.chosen_ms,
+                  100.0 * (r.first_ms - r.chosen_ms) / r.first_ms, layer.gemm().describe(tokens, true).c_str());
+    }
+  }
 
   // ---- sanity check on set 0 ----
   layer.forward(x_of(0), logits_of(0), w.as(), bias.as(), out_fwd.as(), tokens, stream);

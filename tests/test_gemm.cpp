@@ -76,6 +76,7 @@ std::vector<GemmCase> gemm_cases() {
     c.push_back({t, 96, 40, false, 0});
   }
   c.push_back({65, 217, 65, true, 1});
+  c.push_back({300, 128, 64, true, 4});  // 16-byte but not 256-byte aligned
   c.push_back({2049, 64, 128, true, 1});
   c.push_back({100, 7, 3, true, 0});
   c.push_back({5, 1, 1, false, 1});
@@ -89,6 +90,25 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearGemmDevice, ::testing::ValuesIn(gemm_case
                                   std::to_string(i.param.out) + (i.param.bias ? "_bias" : "_nobias") +
                                   "_off" + std::to_string(i.param.offset);
                          });
+
+TEST(LinearGemmDevice, AutotuneRecordsEveryBucketAndKeepsTheFastest) {
+  QBL_REQUIRE_GPU();
+  qbl::Options o;
+  o.autotune = true;
+  qbl::LinearGemm<float> tuned(256, 128, 1000, o);
+  ASSERT_EQ(tuned.tuning().size(), 2 * tuned.buckets().size());
+  for (const auto& r : tuned.tuning()) {
+    EXPECT_GE(r.candidates, 1);
+    EXPECT_LT(r.chosen, r.candidates > 0 ? 16 : 1);
+    EXPECT_GT(r.first_ms, 0.0f);
+    EXPECT_LE(r.chosen_ms, r.first_ms) << "tokens " << r.tokens;
+  }
+  EXPECT_NE(tuned.describe(1000, true).find("algo "), std::string::npos);
+  EXPECT_EQ(tuned.describe(1001, true), "none");
+  o.autotune = false;
+  qbl::LinearGemm<float> plain(256, 128, 1000, o);
+  EXPECT_TRUE(plain.tuning().empty());
+}
 
 TEST(LinearGemmDevice, RunRejectsTokensOutOfRange) {
   QBL_REQUIRE_GPU();

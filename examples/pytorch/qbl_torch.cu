@@ -55,7 +55,7 @@
 #include <utility>
 #include <vector>
 
-namespace qbl_torch {
+namespace qbl_torch_ext {
 
 // ------------------------------------------------------------------------------------------------
 // dtype plumbing. Adding an element type (once qbl supports it) takes three edits, all here:
@@ -113,15 +113,15 @@ auto with_oom_retry(Make&& make) -> decltype(make()) {
   try {
     return make();
   } catch (const qbl::out_of_memory&) {
-    (void)cudaGetLastError();
-  } catch (const qbl::cuda_error&) {
+    (void)cudaGetLastError();  // fall through to the retry
+  } catch (...) {
     (void)cudaGetLastError();
     throw;
   }
   c10::cuda::CUDACachingAllocator::emptyCache();
   try {
     return make();
-  } catch (const qbl::cuda_error&) {
+  } catch (...) {
     (void)cudaGetLastError();
     throw;
   }
@@ -367,7 +367,7 @@ class Layer {
 
   at::Tensor copy_stat(const float* src) const {
     c10::cuda::CUDAGuard guard(device_);
-    at::Tensor t = at::empty({}, options(at::kFloat));
+    at::Tensor t = at::empty(at::IntArrayRef{}, options(at::kFloat));
     C10_CUDA_CHECK(cudaMemcpyAsync(t.mutable_data_ptr(), src, sizeof(float),
                                    cudaMemcpyDeviceToDevice,
                                    at::cuda::getCurrentCUDAStream(device_).stream()));
@@ -460,15 +460,14 @@ std::shared_ptr<Layer> get_cached_layer(int device, std::int64_t in, std::int64_
   return it == layer_cache().end() ? nullptr : it->second;
 }
 
-}  // namespace qbl_torch
+}  // namespace qbl_torch_ext
 
 // ------------------------------------------------------------------------------------------------
 // Python bindings.
 // ------------------------------------------------------------------------------------------------
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using qbl_torch::Layer;
-  namespace py = pybind11;
+  using qbl_torch_ext::Layer;
 
   m.doc() =
       "PyTorch binding of qbl::QuantBlendLinear: out = Linear(alpha * fake_quant_int8(x) + "
@@ -521,14 +520,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                ", device=cuda:" + std::to_string(static_cast<int>(l.device_index())) + ")";
       });
 
-  m.def("forward", &qbl_torch::module_forward, py::arg("x"), py::arg("logits"),
+  m.def("forward", &qbl_torch_ext::module_forward, py::arg("x"), py::arg("logits"),
         py::arg("weight"), py::arg("bias") = py::none(), py::arg("allow_tf32") = false,
         "Layer.forward through a per-process cache of layers keyed by (device, in_features, "
         "out_features, dtype, allow_tf32); grows max_tokens to the next power of two on demand.");
-  m.def("clear_cache", &qbl_torch::clear_cache,
+  m.def("clear_cache", &qbl_torch_ext::clear_cache,
         "Synchronizes the devices involved and drops every cached layer.");
-  m.def("cache_info", &qbl_torch::cache_info, "One dict per cached layer.");
-  m.def("get_cached_layer", &qbl_torch::get_cached_layer, py::arg("device"),
+  m.def("cache_info", &qbl_torch_ext::cache_info, "One dict per cached layer.");
+  m.def("get_cached_layer", &qbl_torch_ext::get_cached_layer, py::arg("device"),
         py::arg("in_features"), py::arg("out_features"), py::arg("dtype") = py::none(),
         py::arg("allow_tf32") = false, "The cached Layer for that key, or None.");
 }

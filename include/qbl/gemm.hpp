@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace qbl {
@@ -39,6 +40,16 @@ struct gemm_traits<float> {
   static cublasComputeType_t compute_type(const Options& o) {
     return o.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   }
+};
+
+/// What autotuning measured for one token-count bucket (16-byte-or-better aligned pointers).
+struct GemmTuning {
+  std::int64_t tokens = 0;      ///< the bucket's top token count, the size timed
+  bool bias = false;            ///< with the bias epilogue
+  int candidates = 0;           ///< heuristic candidates that cuBLASLt accepted and were timed
+  int chosen = 0;               ///< heuristic rank of the fastest (0: cuBLASLt's first choice)
+  float first_ms = 0.0f;        ///< median time of the first-ranked candidate
+  float chosen_ms = 0.0f;       ///< median time of the chosen one
 };
 
 /// out[tokens, out_features] = a[tokens, in_features] · w[out_features, in_features]ᵀ (+ bias).
@@ -73,30 +84,44 @@ class LinearGemm {
   /// The token-count buckets planned: bucket i serves tokens in (bucket(i-1), bucket(i)].
   const std::vector<std::int64_t>& buckets() const noexcept { return buckets_; }
 
+  /// Autotuning's measurements, one entry per bucket and bias case (empty without autotune).
+  const std::vector<GemmTuning>& tuning() const noexcept { return tuning_; }
+
+  /// The algorithm run() uses for `tokens` with 256-byte-aligned pointers, as
+  /// "algo <id> tile <id> stages <id> splitK <n> reduction <scheme> swizzle <n>".
+  std::string describe(std::int64_t tokens, bool bias) const;
+
   std::int64_t in_features() const noexcept { return k_; }
   std::int64_t out_features() const noexcept { return m_; }
   std::int64_t max_tokens() const noexcept { return max_tokens_; }
 
  private:
-  // Alignment class of a call: every pointer 16-byte aligned, or only element-aligned.
-  static constexpr int aligned16 = 0;
-  static constexpr int unaligned = 1;
+  // Alignment classes of a call's pointers: 256 bytes (cuBLASLt's default assumption, what
+  // fresh allocations give), 16 bytes, or only the element size.
+  static constexpr int align_classes = 3;
+  static int alignment_class(const void* a, const void* w, const void* bias, const void* out);
 
   struct Plan {
-    cublasLtMatmulAlgo_t algo[2][2];  // [has_bias][alignment class]
+    cublasLtMatmulAlgo_t algo[2][align_classes];  // [has_bias][alignment class]
   };
+  struct Scratch;
 
-  void plan_bucket(std::size_t i);
+  void plan_bucket(std::size_t i, Scratch* scratch);
   void set_tokens(std::int64_t tokens);
+  bool valid_for_bucket(const cublasLtMatmulAlgo_t& algo, int has_bias, std::size_t i);
+  float time_algo(const cublasLtMatmulAlgo_t& algo, int has_bias, std::int64_t tokens,
+                  Scratch& scratch);
 
   std::int64_t k_ = 0, m_ = 0, max_tokens_ = 0;
   std::size_t workspace_bytes_ = 0;
   detail::lt_handle handle_;
   detail::lt_matmul_desc desc_[2];  // [has_bias]
   detail::lt_layout a_layout_, b_layout_, c_layout_;
-  detail::lt_preference pref_[2];   // [alignment class]
+  detail::lt_preference pref_[align_classes];
   std::vector<std::int64_t> buckets_;
   std::vector<Plan> plans_;
+  std::vector<GemmTuning> tuning_;
+  int autotune_candidates_ = 0;
 };
 
 }  // namespace qbl

@@ -18,6 +18,13 @@ struct Options {
   /// fp32 only: run the GEMM as CUBLAS_COMPUTE_32F_FAST_TF32 (torch.backends.cuda.matmul.allow_tf32
   /// = True). Off by default, so results match PyTorch's default fp32 matmul.
   bool allow_tf32 = false;
+
+  /// At construction, time up to `autotune_candidates` cuBLASLt heuristic candidates for every
+  /// token-count bucket on scratch data of the real shape and keep the fastest. Costs a few
+  /// GEMMs per bucket at start-up (and a temporary scratch allocation); turn off for fast start-up,
+  /// which keeps cuBLASLt's first-ranked algorithm.
+  bool autotune = true;
+  int autotune_candidates = 8;
 };
 
 }  // namespace qbl

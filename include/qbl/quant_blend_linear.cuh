@@ -75,6 +75,9 @@ class QuantBlendLinear {
   /// `mixed` of the last forward, [tokens, in_features] on the device.
   const T* device_mixed() const noexcept { return mixed_.as<T>(); }
 
+  /// The GEMM stage, for its plan and autotuning record (LinearGemm::describe, ::tuning).
+  const LinearGemm<T>& gemm() const noexcept { return gemm_; }
+
   std::int64_t in_features() const noexcept { return in_; }
   std::int64_t out_features() const noexcept { return out_; }
   std::int64_t max_tokens() const noexcept { return max_tokens_; }

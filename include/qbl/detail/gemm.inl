@@ -2,11 +2,18 @@
 #pragma once
 
 #include <qbl/detail/align.hpp>
+#include <qbl/detail/handles.hpp>
 #include <qbl/gemm.hpp>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <random>
 #include <string>
+#include <vector>
 
 namespace qbl::detail {
 
@@ -41,9 +48,52 @@ inline std::vector<std::int64_t> token_buckets(std::int64_t max_tokens) {
   return b;
 }
 
+/// Fills device memory with random-looking bits of small floats (timings on zeros run fast).
+inline void fill_scratch(void* d, std::size_t bytes, std::size_t elem) {
+  if (bytes == 0) return;
+  std::vector<unsigned char> block(std::min<std::size_t>(bytes, std::size_t{1} << 20));
+  std::mt19937 gen(12345);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (std::size_t i = 0; i + elem <= block.size(); i += elem) {
+    const float v = u(gen);
+    if (elem == sizeof(float)) {
+      std::memcpy(&block[i], &v, sizeof v);
+    } else {  // 2-byte types: the top half of the float is a valid bf16; close enough for fp16
+      std::uint32_t bits;
+      std::memcpy(&bits, &v, sizeof bits);
+      const auto top = static_cast<std::uint16_t>(bits >> 16);
+      std::memcpy(&block[i], &top, sizeof top);
+    }
+  }
+  auto* p = static_cast<unsigned char*>(d);
+  QBL_CUDA_TRY(cudaMemcpy(p, block.data(), block.size(), cudaMemcpyHostToDevice));
+  for (std::size_t done = block.size(); done < bytes;) {
+    const std::size_t n = std::min(done, bytes - done);
+    QBL_CUDA_TRY(cudaMemcpy(p + done, p, n, cudaMemcpyDeviceToDevice));
+    done += n;
+  }
+}
+
+struct cuda_stream_destroy {
+  void operator()(cudaStream_t s) const noexcept { cudaStreamDestroy(s); }
+};
+struct cuda_event_destroy {
+  void operator()(cudaEvent_t e) const noexcept { cudaEventDestroy(e); }
+};
+using stream_ptr = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, cuda_stream_destroy>;
+using event_ptr = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, cuda_event_destroy>;
+
 }  // namespace qbl::detail
 
 namespace qbl {
+
+/// Operands for timing candidates at construction; freed when planning ends.
+template <typename T>
+struct LinearGemm<T>::Scratch {
+  detail::device_buffer a, w, bias, out, workspace;
+  detail::stream_ptr stream;
+  detail::event_ptr start, stop;
+};
 
 template <typename T>
 LinearGemm<T>::LinearGemm(std::int64_t in_features, std::int64_t out_features,
@@ -55,6 +105,7 @@ LinearGemm<T>::LinearGemm(std::int64_t in_features, std::int64_t out_features,
   QBL_EXPECTS(in_features > 0 && out_features > 0, qbl::invalid_argument,
               "features must be positive");
   QBL_EXPECTS(max_tokens > 0, qbl::invalid_argument, "max_tokens must be positive");
+  autotune_candidates_ = options.autotune ? std::clamp(options.autotune_candidates, 1, 16) : 0;
 
   constexpr cudaDataType_t type = gemm_traits<T>::data_type;
   cublasLtHandle_t h = nullptr;
@@ -76,8 +127,8 @@ LinearGemm<T>::LinearGemm(std::int64_t in_features, std::int64_t out_features,
   b_layout_ = detail::make_layout(type, k_, max_tokens_, k_);
   c_layout_ = detail::make_layout(type, m_, max_tokens_, m_);
 
-  const std::uint32_t align_bytes[2] = {16u, static_cast<std::uint32_t>(sizeof(T))};
-  for (int cls = 0; cls < 2; ++cls) {
+  const std::uint32_t align_bytes[align_classes] = {256u, 16u, static_cast<std::uint32_t>(sizeof(T))};
+  for (int cls = 0; cls < align_classes; ++cls) {
     cublasLtMatmulPreference_t p = nullptr;
     QBL_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&p));
     pref_[cls].reset(p);
@@ -90,7 +141,35 @@ LinearGemm<T>::LinearGemm(std::int64_t in_features, std::int64_t out_features,
 
   buckets_ = detail::token_buckets(max_tokens_);
   plans_.resize(buckets_.size());
-  for (std::size_t i = 0; i < buckets_.size(); ++i) plan_bucket(i);
+  std::unique_ptr<Scratch> scratch;
+  if (autotune_candidates_ > 0) {
+    scratch = std::make_unique<Scratch>();
+    scratch->a = detail::device_buffer(static_cast<std::size_t>(max_tokens_ * k_) * sizeof(T));
+    scratch->w = detail::device_buffer(static_cast<std::size_t>(m_ * k_) * sizeof(T));
+    scratch->bias = detail::device_buffer(static_cast<std::size_t>(m_) * sizeof(T));
+    scratch->out = detail::device_buffer(static_cast<std::size_t>(max_tokens_ * m_) * sizeof(T));
+    scratch->workspace = detail::device_buffer(workspace_bytes_);
+    for (auto* b : {&scratch->a, &scratch->w, &scratch->bias}) detail::fill_scratch(b->get(), b->bytes(), sizeof(T));
+    cudaStream_t s = nullptr;
+    QBL_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    scratch->stream.reset(s);
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    QBL_CUDA_TRY(cudaEventCreate(&e0));
+    scratch->start.reset(e0);
+    QBL_CUDA_TRY(cudaEventCreate(&e1));
+    scratch->stop.reset(e1);
+  }
+  for (std::size_t i = 0; i < buckets_.size(); ++i) plan_bucket(i, scratch.get());
+  if (scratch) QBL_CUDA_TRY(cudaStreamSynchronize(scratch->stream.get()));
+}
+
+template <typename T>
+int LinearGemm<T>::alignment_class(const void* a, const void* w, const void* bias, const void* out) {
+  auto all = [&](std::size_t bytes) {
+    return detail::is_aligned(a, bytes) && detail::is_aligned(w, bytes) &&
+           detail::is_aligned(out, bytes) && (bias == nullptr || detail::is_aligned(bias, bytes));
+  };
+  return all(256) ? 0 : (all(16) ? 1 : 2);
 }
 
 template <typename T>
@@ -100,46 +179,130 @@ void LinearGemm<T>::set_tokens(std::int64_t tokens) {
   detail::set_layout(c_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, n);
 }
 
-// Takes the best-ranked heuristic candidate that cuBLASLt accepts at both ends of the bucket.
+// cuBLASLt must accept the algorithm at both ends of the bucket, within the workspace.
 template <typename T>
-void LinearGemm<T>::plan_bucket(std::size_t i) {
+bool LinearGemm<T>::valid_for_bucket(const cublasLtMatmulAlgo_t& algo, int has_bias, std::size_t i) {
   const std::int64_t hi = buckets_[i];
   const std::int64_t lo = i == 0 ? 1 : buckets_[i - 1] + 1;
-  constexpr int max_candidates = 8;
+  for (std::int64_t n : {lo, hi}) {
+    set_tokens(n);
+    cublasLtMatmulHeuristicResult_t check = {};
+    if (cublasLtMatmulAlgoCheck(handle_.get(), desc_[has_bias].get(), a_layout_.get(),
+                                b_layout_.get(), c_layout_.get(), c_layout_.get(), &algo,
+                                &check) != CUBLAS_STATUS_SUCCESS ||
+        check.workspaceSize > workspace_bytes_) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Median of a few event-timed runs after one warm-up; +inf if the algorithm fails to run.
+template <typename T>
+float LinearGemm<T>::time_algo(const cublasLtMatmulAlgo_t& algo, int has_bias, std::int64_t tokens,
+                               Scratch& s) {
+  constexpr int reps = 5;
+  set_tokens(tokens);
+  const void* bias = s.bias.get();
+  QBL_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc_[1].get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                &bias, sizeof bias));
+  const float one = 1.0f, zero = 0.0f;
+  auto launch = [&] {
+    return cublasLtMatmul(handle_.get(), desc_[has_bias].get(), &one, s.w.get(), a_layout_.get(),
+                          s.a.get(), b_layout_.get(), &zero, s.out.get(), c_layout_.get(),
+                          s.out.get(), c_layout_.get(), &algo, s.workspace.get(), workspace_bytes_,
+                          s.stream.get());
+  };
+  if (launch() != CUBLAS_STATUS_SUCCESS) return std::numeric_limits<float>::infinity();
+  float ms[reps];
+  for (float& t : ms) {
+    QBL_CUDA_TRY(cudaEventRecord(s.start.get(), s.stream.get()));
+    if (launch() != CUBLAS_STATUS_SUCCESS) return std::numeric_limits<float>::infinity();
+    QBL_CUDA_TRY(cudaEventRecord(s.stop.get(), s.stream.get()));
+    QBL_CUDA_TRY(cudaEventSynchronize(s.stop.get()));
+    QBL_CUDA_TRY(cudaEventElapsedTime(&t, s.start.get(), s.stop.get()));
+  }
+  std::sort(ms, ms + reps);
+  return ms[reps / 2];
+}
+
+// Per bias case and alignment class: the best heuristic candidate valid over the whole bucket --
+// cuBLASLt's first choice, or with autotuning (256-byte class) the fastest one measured.
+template <typename T>
+void LinearGemm<T>::plan_bucket(std::size_t i, Scratch* scratch) {
+  constexpr int max_candidates = 16;
+  const std::int64_t hi = buckets_[i];
   for (int has_bias = 0; has_bias < 2; ++has_bias) {
-    for (int cls = 0; cls < 2; ++cls) {
+    for (int cls = 0; cls < align_classes; ++cls) {
+      const bool tune = scratch != nullptr && cls == 0;
+      const int wanted = tune ? autotune_candidates_ : 4;
       cublasLtMatmulHeuristicResult_t results[max_candidates] = {};
       int found = 0;
       set_tokens(hi);
       QBL_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(
           handle_.get(), desc_[has_bias].get(), a_layout_.get(), b_layout_.get(), c_layout_.get(),
-          c_layout_.get(), pref_[cls].get(), max_candidates, results, &found));
-      bool chosen = false;
-      for (int r = 0; r < found && !chosen; ++r) {
-        if (results[r].state != CUBLAS_STATUS_SUCCESS) continue;
-        bool ok = true;
-        for (std::int64_t n : {lo, hi}) {
-          set_tokens(n);
-          cublasLtMatmulHeuristicResult_t check = {};
-          ok = ok && cublasLtMatmulAlgoCheck(handle_.get(), desc_[has_bias].get(), a_layout_.get(),
-                                             b_layout_.get(), c_layout_.get(), c_layout_.get(),
-                                             &results[r].algo, &check) == CUBLAS_STATUS_SUCCESS &&
-               check.workspaceSize <= workspace_bytes_;
-        }
-        if (ok) {
-          plans_[i].algo[has_bias][cls] = results[r].algo;
-          chosen = true;
+          c_layout_.get(), pref_[cls].get(), wanted, results, &found));
+      std::vector<int> valid;
+      for (int r = 0; r < found; ++r) {
+        if (results[r].state == CUBLAS_STATUS_SUCCESS && valid_for_bucket(results[r].algo, has_bias, i)) {
+          valid.push_back(r);
+          if (!tune) break;
         }
       }
-      if (!chosen) {
+      if (valid.empty()) {
         detail::throw_cublas(CUBLAS_STATUS_NOT_SUPPORTED,
-                             ("cublasLtMatmulAlgoGetHeuristic (tokens " + std::to_string(lo) + ".." +
-                              std::to_string(hi) + ")")
+                             ("cublasLtMatmulAlgoGetHeuristic (tokens up to " + std::to_string(hi) +
+                              ", alignment class " + std::to_string(cls) + ")")
                                  .c_str(),
                              __FILE__, __LINE__);
       }
+      int best = valid.front();
+      if (tune) {
+        GemmTuning rec;
+        rec.tokens = hi;
+        rec.bias = has_bias != 0;
+        rec.candidates = static_cast<int>(valid.size());
+        float best_ms = std::numeric_limits<float>::infinity();
+        for (int r : valid) {
+          const float t = time_algo(results[r].algo, has_bias, hi, *scratch);
+          if (r == valid.front()) rec.first_ms = t;
+          // A later candidate must win clearly: ranks within noise keep cuBLASLt's order.
+          if (t < best_ms * 0.98f) {
+            best_ms = t;
+            best = r;
+          }
+        }
+        rec.chosen = best;
+        rec.chosen_ms = best_ms;
+        tuning_.push_back(rec);
+      }
+      plans_[i].algo[has_bias][cls] = results[best].algo;
     }
   }
+}
+
+template <typename T>
+std::string LinearGemm<T>::describe(std::int64_t tokens, bool bias) const {
+  if (tokens < 1 || tokens > max_tokens_ || plans_.empty()) return "none";
+  const std::size_t bucket = static_cast<std::size_t>(
+      std::lower_bound(buckets_.begin(), buckets_.end(), tokens) - buckets_.begin());
+  const cublasLtMatmulAlgo_t& algo = plans_[bucket].algo[bias ? 1 : 0][0];
+  auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr) -> long long {
+    // The size passed must be the attribute's own: ask for it first.
+    std::size_t size = 0;
+    std::uint64_t v = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, nullptr, 0, &size) != CUBLAS_STATUS_SUCCESS ||
+        size > sizeof v ||
+        cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, size, &size) != CUBLAS_STATUS_SUCCESS)
+      return -1;
+    return static_cast<long long>(v);  // little-endian: a narrower value sits in the low bytes
+  };
+  return "algo " + std::to_string(get(CUBLASLT_ALGO_CONFIG_ID)) + " tile " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_TILE_ID)) + " stages " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_STAGES_ID)) + " splitK " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM)) + " reduction " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME)) + " swizzle " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING));
 }
 
 template <typename T>
@@ -150,8 +313,7 @@ cublasStatus_t LinearGemm<T>::run(const T* a, const T* w, const T* bias, T* out,
   if (a == nullptr || w == nullptr || out == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
   const std::size_t bucket = static_cast<std::size_t>(
       std::lower_bound(buckets_.begin(), buckets_.end(), tokens) - buckets_.begin());
-  const bool aligned = detail::is_aligned(a, 16) && detail::is_aligned(w, 16) && detail::is_aligned(out, 16) &&
-                       (bias == nullptr || detail::is_aligned(bias, 16));
+  const int cls = alignment_class(a, w, bias, out);
   const int has_bias = bias != nullptr ? 1 : 0;
   const auto n = static_cast<std::uint64_t>(tokens);
   cublasStatus_t s = cublasLtMatrixLayoutSetAttribute(b_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, &n, sizeof n);
@@ -163,8 +325,7 @@ cublasStatus_t LinearGemm<T>::run(const T* a, const T* w, const T* bias, T* out,
   const float one = 1.0f, zero = 0.0f;
   return cublasLtMatmul(handle_.get(), desc_[has_bias].get(), &one, w, a_layout_.get(), a,
                         b_layout_.get(), &zero, out, c_layout_.get(), out, c_layout_.get(),
-                        &plans_[bucket].algo[has_bias][aligned ? aligned16 : unaligned], workspace,
-                        workspace_bytes_, stream);
+                        &plans_[bucket].algo[has_bias][cls], workspace, workspace_bytes_, stream);
 }
 
 }  // namespace qbl
