@@ -275,8 +275,11 @@ class Layer {
     c10::cuda::CUDAGuard guard(device_);
     check_not_capturing(at::cuda::getCurrentCUDAStream(device_).stream(),
                         "constructing a qbl_torch.Layer");
-    qbl::Options options;
+    qbl::Options options;  // library defaults (GEMM autotuning where the headers provide it)
     options.allow_tf32 = allow_tf32;
+    // Construction plans (and may time) the GEMM on the device: let queued work finish first so
+    // that it runs on an idle GPU. Construction is rare; it already allocates and synchronizes.
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
     impl_ = with_oom_retry(
         [&] { return make_typed_layer(dtype, in_features, out_features, max_tokens, options); });
     // qbl's constructor zeroes its statistics with cudaMemset on the default stream, which is not

@@ -65,7 +65,9 @@ QuantBlendLinear<T>::QuantBlendLinear(std::int64_t in_features, std::int64_t out
       mixed_(detail::checked_bytes(max_tokens, in_features, sizeof(T))),
       cublas_workspace_(options.cublas_workspace_bytes),
       gemm_(in_features, out_features, max_tokens, options) {
-  QBL_CUDA_TRY(cudaMemset(stats_.get(), 0, stats_bytes));
+  // Zero the statistics and wait for it: a forward on any stream must never race this memset.
+  QBL_CUDA_TRY(cudaMemsetAsync(stats_.get(), 0, stats_bytes, nullptr));
+  QBL_CUDA_TRY(cudaStreamSynchronize(nullptr));
 }
 
 template <typename T>
