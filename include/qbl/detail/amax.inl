@@ -61,6 +61,11 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
                 std::uint32_t* __restrict__ amax_bits) {
   using BlockAmax = BlockAbsMax<T, BLOCK_THREADS>;
   __shared__ typename BlockAmax::TempStorage temp;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // A programmatic dependent (the quant-blend kernel) may be scheduled as SMs free up; it waits
+  // for this grid's completion before it reads the result.
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
   const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * BLOCK_THREADS + threadIdx.x;
   const std::int64_t threads = static_cast<std::int64_t>(gridDim.x) * BLOCK_THREADS;
   const std::uint32_t m =

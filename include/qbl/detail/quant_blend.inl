@@ -14,14 +14,19 @@ namespace qbl::detail {
 inline constexpr int quant_blend_block_threads = 256;
 inline constexpr int single_block_threads = 1024;
 
+/// Rows each thread keeps in flight: R independent 16-byte loads before the first use.
+inline constexpr int rows_in_flight = 4;
+
 /// The rows [0, tokens) of mixed, shared out over `blocks` blocks of `threads` threads.
 ///
 /// A row holds `features / N` vectors. When a row has fewer vectors than the block has threads,
-/// the block covers several rows per step, so that short rows leave no thread idle for long;
-/// alpha and 1 - alpha are computed once per row and thread.
-template <typename T, int N>
+/// the block covers several rows per step, so that short rows leave no thread idle for long.
+/// Each thread works on R rows at a time: their loads are all issued before `get_scale()` is
+/// asked for the scale, so a kernel launched as a programmatic dependent of the amax kernel has
+/// its reads in flight while that kernel drains.
+template <typename T, int N, int R, typename GetScale>
 __device__ __forceinline__ void quant_blend_rows(const T* __restrict__ x,
-                                                 const T* __restrict__ logits, float scale,
+                                                 const T* __restrict__ logits, GetScale get_scale,
                                                  T* __restrict__ mixed, std::int64_t tokens,
                                                  std::int64_t features, unsigned block,
                                                  unsigned blocks, unsigned thread,
@@ -33,24 +38,50 @@ __device__ __forceinline__ void quant_blend_rows(const T* __restrict__ x,
   if (lane_row >= rows_per_step) return;
   const unsigned col0 = thread - lane_row * span;
   const std::int64_t row_step = static_cast<std::int64_t>(blocks) * rows_per_step;
-  for (std::int64_t row = static_cast<std::int64_t>(block) * rows_per_step + lane_row; row < tokens;
-       row += row_step) {
-    const float alpha = sigmoid(to_float(logits[row]));
-    const float one_minus_alpha = detail::sub_rn(1.0f, alpha);
-    const auto* xr = reinterpret_cast<const Vec<T, N>*>(x + row * features);
-    auto* mr = reinterpret_cast<Vec<T, N>*>(mixed + row * features);
-#pragma unroll 2
-    for (std::int64_t c = col0; c < cols; c += span) {
-      const Vec<T, N> in = xr[c];
-      Vec<T, N> out;
+  float scale = 0.0f;
+  bool have_scale = false;
+  for (std::int64_t row0 = static_cast<std::int64_t>(block) * rows_per_step + lane_row;
+       row0 < tokens; row0 += R * row_step) {
+    float alpha[R], one_minus_alpha[R];
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const float xv = to_float(in.v[j]);
-        out.v[j] = from_float<T>(blend(xv, fake_quant(xv, scale), alpha, one_minus_alpha));
+    for (int r = 0; r < R; ++r) {
+      const std::int64_t row = row0 + r * row_step;
+      alpha[r] = row < tokens ? sigmoid(to_float(logits[row])) : 0.0f;
+      one_minus_alpha[r] = detail::sub_rn(1.0f, alpha[r]);
+    }
+    for (std::int64_t c = col0; c < cols; c += span) {
+      Vec<T, N> in[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const std::int64_t row = row0 + r * row_step;
+        if (row < tokens) in[r] = reinterpret_cast<const Vec<T, N>*>(x + row * features)[c];
       }
-      mr[c] = out;
+      if (!have_scale) {
+        scale = get_scale();
+        have_scale = true;
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const std::int64_t row = row0 + r * row_step;
+        if (row >= tokens) continue;
+        Vec<T, N> out;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          const float xv = to_float(in[r].v[j]);
+          out.v[j] = from_float<T>(blend(xv, fake_quant(xv, scale), alpha[r], one_minus_alpha[r]));
+        }
+        reinterpret_cast<Vec<T, N>*>(mixed + row * features)[c] = out;
+      }
     }
   }
+}
+
+/// Waits (when launched as a programmatic dependent) until the kernel before it in the stream --
+/// the amax kernel -- has finished and its writes are visible. A no-op otherwise.
+__device__ __forceinline__ void wait_for_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();
+#endif
 }
 
 template <typename T, int BLOCK_THREADS, int N>
@@ -58,10 +89,13 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     quant_blend_kernel(const T* __restrict__ x, const T* __restrict__ logits,
                        const float* __restrict__ amax, T* __restrict__ mixed, std::int64_t tokens,
                        std::int64_t features, float* __restrict__ scale_out) {
-  const float scale = scale_from_amax(*amax);
-  if (scale_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = scale;
-  quant_blend_rows<T, N>(x, logits, scale, mixed, tokens, features, blockIdx.x, gridDim.x,
-                         threadIdx.x, BLOCK_THREADS);
+  auto get_scale = [&] {
+    wait_for_primary();
+    return scale_from_amax(*amax);
+  };
+  if (scale_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = get_scale();
+  quant_blend_rows<T, N, rows_in_flight>(x, logits, get_scale, mixed, tokens, features, blockIdx.x,
+                                         gridDim.x, threadIdx.x, BLOCK_THREADS);
 }
 
 /// Both stages in one block: the amax never leaves shared memory before the blend reads it.
@@ -85,8 +119,9 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     if (scale_out != nullptr) *scale_out = s;
   }
   __syncthreads();
-  quant_blend_rows<T, N>(x, logits, shared_scale, mixed, tokens, features, 0, 1, threadIdx.x,
-                         BLOCK_THREADS);
+  const float scale = shared_scale;
+  quant_blend_rows<T, N, rows_in_flight>(x, logits, [scale] { return scale; }, mixed, tokens,
+                                         features, 0, 1, threadIdx.x, BLOCK_THREADS);
 }
 
 /// 16-byte vectors when both row-major buffers allow them, else one element at a time.
@@ -113,10 +148,30 @@ cudaError_t launch_quant_blend(const T* x, const T* logits, const float* amax, T
   QBL_CUDA_RETURN_IF_ERROR(sm_count(&sms));
   const std::int64_t cols = features / N;
   const std::int64_t rows_per_step = cols >= threads ? 1 : threads / cols;
-  const std::int64_t blocks = std::min<std::int64_t>(ceil_div(tokens, rows_per_step),
-                                                     std::int64_t{sms} * 32);
-  quant_blend_kernel<T, threads, N><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      x, logits, amax, mixed, tokens, features, scale);
+  // One wave of resident blocks at most; each thread then loops.
+  static const int resident = [] {
+    int n = 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, quant_blend_kernel<T, threads, N>,
+                                                         threads, 0) == cudaSuccess && n > 0
+               ? n
+               : 1;
+  }();
+  const std::int64_t blocks = std::min<std::int64_t>(
+      ceil_div(tokens, rows_per_step * rows_in_flight), std::int64_t{sms} * resident);
+  // Launched as a programmatic dependent of the kernel before it (the amax): it may start, and
+  // issue its loads of x and logits, while that kernel drains; it reads amax only after
+  // cudaGridDependencySynchronize(). After any other work the attribute changes nothing.
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  QBL_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, quant_blend_kernel<T, threads, N>, x, logits,
+                                              amax, mixed, tokens, features, scale));
   return cudaGetLastError();
 }
 
