@@ -138,6 +138,16 @@ struct Problem {
   std::vector<std::int64_t> out_sizes;  // x.shape[:-1] + (out,)
 };
 
+/// "[2, 5, 64]": shapes are formatted here rather than through c10's ArrayRef printer.
+inline std::string shape_str(c10::IntArrayRef sizes) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(sizes[i]);
+  }
+  return s + "]";
+}
+
 inline void check_operand(const char* who, const at::Tensor& t, const char* name,
                           const at::Tensor& x) {
   TORCH_CHECK(t.defined(), who, ": ", name, " is an undefined tensor");
@@ -160,23 +170,23 @@ inline Problem check_problem(const char* who, const at::Tensor& x, const at::Ten
                    x.scalar_type(), "; supported: ", supported_dtypes());
   TORCH_CHECK(x.is_contiguous(), who, ": x must be contiguous (call .contiguous())");
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3, who,
-              ": x must be 2-D [tokens, in] or 3-D [batch, seq, in], got shape ", x.sizes());
+              ": x must be 2-D [tokens, in] or 3-D [batch, seq, in], got shape ", shape_str(x.sizes()));
   check_operand(who, logits, "logits", x);
   check_operand(who, weight, "weight", x);
 
   Problem p;
   p.in = x.size(-1);
   const auto lead = x.sizes().slice(0, static_cast<std::size_t>(x.dim() - 1));
-  TORCH_CHECK(logits.sizes() == lead, who, ": logits must have shape x.shape[:-1] = ", lead,
-              ", got ", logits.sizes());
+  TORCH_CHECK(logits.sizes() == lead, who, ": logits must have shape x.shape[:-1] = ", shape_str(lead),
+              ", got ", shape_str(logits.sizes()));
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == p.in, who,
               ": weight must be [out_features, in_features] with in_features = x.shape[-1] = ",
-              p.in, ", got ", weight.sizes());
+              p.in, ", got ", shape_str(weight.sizes()));
   p.out = weight.size(0);
   if (bias.has_value() && bias->defined()) {
     check_operand(who, *bias, "bias", x);
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == p.out, who,
-                ": bias must be [out_features] = [", p.out, "] or None, got ", bias->sizes());
+                ": bias must be [out_features] = [", p.out, "] or None, got ", shape_str(bias->sizes()));
   }
   p.tokens = 1;
   for (const std::int64_t s : lead) p.tokens *= s;

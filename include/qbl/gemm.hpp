@@ -110,7 +110,8 @@ class LinearGemm {
   void set_tokens(std::int64_t tokens);
   bool valid_for_bucket(const cublasLtMatmulAlgo_t& algo, int has_bias, std::size_t i);
   float time_algo(const cublasLtMatmulAlgo_t& algo, int has_bias, std::int64_t tokens,
-                  Scratch& scratch);
+                  Scratch& scratch, int reps);
+  void warm_up(Scratch& scratch);
 
   std::int64_t k_ = 0, m_ = 0, max_tokens_ = 0;
   std::size_t workspace_bytes_ = 0;
