@@ -138,7 +138,8 @@ struct Problem {
   std::vector<std::int64_t> out_sizes;  // x.shape[:-1] + (out,)
 };
 
-/// "[2, 5, 64]": shapes are formatted here rather than through c10's ArrayRef printer.
+/// "[2, 5, 64]". Shapes and integers in messages are formatted here: on the H200's torch 2.11 build,
+/// passing an IntArrayRef or an int64_t to TORCH_CHECK's message crashed the process.
 inline std::string shape_str(c10::IntArrayRef sizes) {
   std::string s = "[";
   for (std::size_t i = 0; i < sizes.size(); ++i) {
@@ -181,12 +182,12 @@ inline Problem check_problem(const char* who, const at::Tensor& x, const at::Ten
               ", got ", shape_str(logits.sizes()));
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == p.in, who,
               ": weight must be [out_features, in_features] with in_features = x.shape[-1] = ",
-              p.in, ", got ", shape_str(weight.sizes()));
+              std::to_string(p.in), ", got ", shape_str(weight.sizes()));
   p.out = weight.size(0);
   if (bias.has_value() && bias->defined()) {
     check_operand(who, *bias, "bias", x);
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == p.out, who,
-                ": bias must be [out_features] = [", p.out, "] or None, got ", shape_str(bias->sizes()));
+                ": bias must be [out_features] = [", std::to_string(p.out), "] or None, got ", shape_str(bias->sizes()));
   }
   p.tokens = 1;
   for (const std::int64_t s : lead) p.tokens *= s;
@@ -277,8 +278,8 @@ class Layer {
         dtype_(dtype) {
     TORCH_CHECK(in_features > 0 && out_features > 0,
                 "qbl_torch.Layer: in_features and out_features must be positive, got ",
-                in_features, " and ", out_features);
-    TORCH_CHECK(max_tokens > 0, "qbl_torch.Layer: max_tokens must be positive, got ", max_tokens);
+                std::to_string(in_features), " and ", std::to_string(out_features));
+    TORCH_CHECK(max_tokens > 0, "qbl_torch.Layer: max_tokens must be positive, got ", std::to_string(max_tokens));
     TORCH_CHECK_TYPE(is_supported_dtype(dtype), "qbl_torch.Layer: unsupported dtype ", dtype,
                      "; supported: ", supported_dtypes());
     device_ = c10::cuda::current_device();
@@ -316,11 +317,12 @@ class Layer {
     constexpr const char* who = "qbl_torch.Layer.forward";
     const Problem p = check_problem(who, x, logits, weight, bias);
     TORCH_CHECK(x.device().index() == device_, who, ": tensors are on ", x.device(),
-                " but the layer was constructed on cuda:", static_cast<int>(device_));
+                " but the layer was constructed on cuda:", std::to_string(static_cast<int>(device_)));
     TORCH_CHECK_TYPE(x.scalar_type() == dtype_, who, ": tensors have dtype ", x.scalar_type(),
                      " but the layer was constructed for ", dtype_);
-    TORCH_CHECK(p.in == in_ && p.out == out_, who, ": weight is [", p.out, ", ", p.in,
-                "] but the layer was constructed for [", out_, ", ", in_, "]");
+    TORCH_CHECK(p.in == in_ && p.out == out_, who, ": weight is [", std::to_string(p.out), ", ",
+                std::to_string(p.in), "] but the layer was constructed for [", std::to_string(out_),
+                ", ", std::to_string(in_), "]");
     return run(p, x, logits, weight, bias);
   }
 
@@ -346,7 +348,7 @@ class Layer {
   at::Tensor last_mixed(std::optional<std::int64_t> tokens) const {
     const std::int64_t n = tokens.value_or(last_tokens_);
     TORCH_CHECK(n >= 0 && n <= max_tokens_, "qbl_torch.Layer.last_mixed: tokens must be in [0, ",
-                max_tokens_, "], got ", n);
+                std::to_string(max_tokens_), "], got ", std::to_string(n));
     c10::cuda::CUDAGuard guard(device_);
     at::Tensor mixed = at::empty({n, in_}, options(dtype_));
     if (n > 0) {

@@ -295,8 +295,10 @@ void LinearGemm<T>::plan_bucket(std::size_t i, Scratch* scratch) {
           const int r = valid[v];
           const float t = ms[v];
           if (r == valid.front()) rec.first_ms = t;
-          // A later candidate must win clearly: ranks within noise keep cuBLASLt's order.
-          if (t < best_ms * 0.98f) {
+          // A later candidate must beat cuBLASLt's first choice by 10 %: on the H200 a 6 % win
+          // on scratch operands (4096 x 4096 x 16384 fp32) turned into a 9 % loss on real ones,
+          // while the real wins (small token counts) were 18 % and more.
+          if (t < best_ms * (r == valid.front() ? 1.0f : 0.90f)) {
             best_ms = t;
             best = r;
           }
