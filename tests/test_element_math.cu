@@ -217,3 +217,103 @@ TEST(ElementMathDevice, MatchesHostBitForBit) {
 }
 
 }  // namespace
+
+// ---- bf16 and fp16: eager rounds every fp32 op's result to the tensor dtype ------------------
+
+namespace {
+
+/// Round a float to a binary format with `p` significand bits and minimum normal exponent `emin`,
+/// ties to even, overflowing to infinity -- independent of CUDA's conversion functions.
+float round_binary(float v, int p, int emin, double max_finite) {
+  if (std::isnan(v) || std::isinf(v) || v == 0.0f) return v;
+  int e = 0;
+  std::frexp(static_cast<double>(v), &e);  // |v| in [2^(e-1), 2^e)
+  const int lsb = std::max(e - p, emin - p + 1);
+  const double r = std::ldexp(std::nearbyint(std::ldexp(static_cast<double>(v), -lsb)), lsb);
+  if (std::fabs(r) > max_finite) return std::copysign(std::numeric_limits<float>::infinity(), v);
+  return static_cast<float>(r);
+}
+float ref_bf16(float v) { return round_binary(v, 8, -126, 3.3895313892515355e38); }
+float ref_fp16(float v) { return round_binary(v, 11, -14, 65504.0); }
+
+template <typename T>
+struct Format;
+template <>
+struct Format<__nv_bfloat16> {
+  static float round(float v) { return ref_bf16(v); }
+  static const char* name() { return "bf16"; }
+  static constexpr float half_ulp_at_one = 0x1p-8f;
+};
+template <>
+struct Format<__half> {
+  static float round(float v) { return ref_fp16(v); }
+  static const char* name() { return "fp16"; }
+  static constexpr float half_ulp_at_one = 0x1p-11f;
+};
+
+template <typename T>
+class ElementMath16 : public ::testing::Test {};
+using Types16 = ::testing::Types<__nv_bfloat16, __half>;
+struct Names16 {
+  template <typename T>
+  static std::string GetName(int) {
+    return Format<T>::name();
+  }
+};
+TYPED_TEST_SUITE(ElementMath16, Types16, Names16);
+
+TYPED_TEST(ElementMath16, RoundToMatchesAnIndependentRounding) {
+  using T = TypeParam;
+  std::mt19937 gen(99);
+  std::uniform_int_distribution<std::uint32_t> any_bits;
+  for (int i = 0; i < 200000; ++i) {
+    std::uint32_t u = any_bits(gen);
+    float v;
+    std::memcpy(&v, &u, sizeof v);
+    if (std::isnan(v)) continue;
+    ASSERT_EQ(bits(qbl::detail::round_to<T>(v)), bits(Format<T>::round(v))) << "v " << v;
+  }
+  // Ties to even at the last place of the format.
+  EXPECT_EQ(qbl::detail::round_to<T>(1.0f + Format<T>::half_ulp_at_one), 1.0f);
+  EXPECT_EQ(qbl::detail::round_to<T>(1.0f + 3 * Format<T>::half_ulp_at_one),
+            1.0f + 4 * Format<T>::half_ulp_at_one);
+}
+
+TYPED_TEST(ElementMath16, ScaleClampBoundIsTheRoundedEpsilon) {
+  using T = TypeParam;
+  const float bound = Format<T>::round(1e-8f);
+  EXPECT_EQ(bits(qbl::scale_from_amax<T>(0.0f)), bits(Format<T>::round(bound * qbl::inv_127)));
+  EXPECT_EQ(bits(qbl::scale_from_amax<T>(3.0f)), bits(Format<T>::round(3.0f * qbl::inv_127)));
+  EXPECT_TRUE(std::isnan(qbl::scale_from_amax<T>(std::numeric_limits<float>::quiet_NaN())));
+}
+
+TEST(ElementMath16, AllZeroXIsNaNInFp16AndZeroInBf16) {
+  // fp16 rounds eager's 1e-8 clamp bound to 0: scale 0, 0 / 0 = NaN, as eager computes.
+  EXPECT_EQ(qbl::scale_from_amax<__half>(0.0f), 0.0f);
+  EXPECT_TRUE(std::isnan(qbl::quant_blend<__half>(0.0f, 0.3f, qbl::scale_from_amax<__half>(0.0f))));
+  EXPECT_GT(qbl::scale_from_amax<__nv_bfloat16>(0.0f), 0.0f);
+  EXPECT_EQ(qbl::quant_blend<__nv_bfloat16>(0.0f, 0.3f, qbl::scale_from_amax<__nv_bfloat16>(0.0f)), 0.0f);
+}
+
+TYPED_TEST(ElementMath16, RandomSliceMatchesTheFormulaOpByOp) {
+  using T = TypeParam;
+  const auto rt = [](float v) { return Format<T>::round(v); };
+  std::mt19937 gen(4242);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::uniform_real_distribution<float> ua(0.0f, 1.0f);
+  for (int i = 0; i < 100000; ++i) {
+    const float x = rt(n(gen)), alpha = rt(ua(gen));
+    const float amax = rt(std::fabs(n(gen)) * 4 + 1e-3f);
+    const float scale = rt(amax * qbl::inv_127);
+    float q = std::nearbyint(rt(x / scale));
+    q = q < -127 ? -127 : (q > 127 ? 127 : q);
+    const float xq = rt(q * scale);
+    const float oma = rt(1.0f - alpha);
+    const float want = rt(rt(alpha * xq) + rt(oma * x));
+    ASSERT_EQ(bits(qbl::scale_from_amax<T>(amax)), bits(scale));
+    ASSERT_EQ(bits(qbl::quant_blend<T>(x, alpha, scale)), bits(want))
+        << "case " << i << ": x " << x << " alpha " << alpha << " amax " << amax;
+  }
+}
+
+}  // namespace

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -165,5 +166,80 @@ INSTANTIATE_TEST_SUITE_P(Shapes, QuantBlendDevice, ::testing::ValuesIn(cases()),
                                   std::to_string(i.param.offset) +
                                   (i.param.path == Path::two_stage ? "_twostage" : "_combined");
                          });
+
+}  // namespace
+
+// ---- bf16 and fp16 -----------------------------------------------------------------------
+
+namespace {
+
+template <typename T>
+__global__ void device_sigmoid_t(const T* l, float* alpha, std::int64_t n) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) alpha[i] = qbl::sigmoid<T>(static_cast<float>(l[i]));
+}
+
+template <typename T>
+class QuantBlendDevice16 : public ::testing::Test {};
+using Types16 = ::testing::Types<__nv_bfloat16, __half>;
+struct Names16 {
+  template <typename T>
+  static std::string GetName(int) {
+    return std::is_same_v<T, __half> ? "fp16" : "bf16";
+  }
+};
+TYPED_TEST_SUITE(QuantBlendDevice16, Types16, Names16);
+
+TYPED_TEST(QuantBlendDevice16, MatchesCpuOpByOp) {
+  QBL_REQUIRE_GPU();
+  using T = TypeParam;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  struct Shape {
+    std::int64_t tokens, features;
+    std::size_t offset;
+  };
+  for (const Shape sh : {Shape{3, 7, 0}, Shape{65, 217, 1}, Shape{8, 1024, 0}, Shape{2049, 512, 0},
+                         Shape{257, 768, 1}, Shape{33, 4096, 0}, Shape{4, 3, 1}}) {
+    for (Path path : {Path::two_stage, Path::combined}) {
+      SCOPED_TRACE("tokens " + std::to_string(sh.tokens) + " features " + std::to_string(sh.features) +
+                   " offset " + std::to_string(sh.offset) + (path == Path::two_stage ? " two-stage" : " combined"));
+      const auto n = static_cast<std::size_t>(sh.tokens * sh.features);
+      const std::vector<T> x = qbl_test::convert<T>(qbl_test::randn(n, seed + sh.features));
+      const std::vector<T> l = qbl_test::convert<T>(qbl_test::randn(sh.tokens, seed + 7, 2.0f));
+      qbl_test::DeviceArray<T> dx(n + sh.offset), dl(sh.tokens), dm(n + sh.offset);
+      qbl_test::DeviceArray<float> dalpha(sh.tokens), dstats(2);
+      QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(sh.offset), x));
+      QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(), l));
+      QBL_ASSERT_CUDA(cudaMemset(dm.get(), qbl_test::poison_byte, (n + sh.offset) * sizeof(T)));
+      device_sigmoid_t<T><<<static_cast<unsigned>((sh.tokens + 255) / 256), 256>>>(dl.get(), dalpha.get(), sh.tokens);
+      QBL_ASSERT_CUDA(cudaGetLastError());
+      if (path == Path::two_stage) {
+        QBL_ASSERT_CUDA(qbl::amax(dx.get(sh.offset), sh.tokens * sh.features, dstats.get()));
+        QBL_ASSERT_CUDA(qbl::quant_blend(dx.get(sh.offset), dl.get(), dstats.get(), dm.get(sh.offset),
+                                         sh.tokens, sh.features, dstats.get(1)));
+      } else {
+        QBL_ASSERT_CUDA(qbl::amax_quant_blend(dx.get(sh.offset), dl.get(), dm.get(sh.offset), sh.tokens,
+                                              sh.features, dstats.get(), dstats.get(1)));
+      }
+      std::vector<float> alpha(sh.tokens), stats(2);
+      std::vector<T> got(n);
+      QBL_ASSERT_CUDA(qbl_test::to_host(alpha, dalpha.get()));
+      QBL_ASSERT_CUDA(qbl_test::to_host(stats, dstats.get()));
+      QBL_ASSERT_CUDA(qbl_test::to_host(got, dm.get(sh.offset)));
+      const std::vector<float> xf = qbl_test::widen(x);
+      std::uint32_t m = 0;
+      for (float v : xf) m = std::max(m, qbl::abs_bits(v));
+      const float scale = qbl::scale_from_amax<T>(qbl::from_abs_bits(m));
+      EXPECT_EQ(bits(stats[0]), m);
+      EXPECT_EQ(bits(stats[1]), bits(scale));
+      std::vector<float> want(n);
+      for (std::int64_t t = 0; t < sh.tokens; ++t)
+        for (std::int64_t c = 0; c < sh.features; ++c)
+          want[t * sh.features + c] = qbl::quant_blend<T>(xf[t * sh.features + c], alpha[t], scale);
+      EXPECT_TRUE(qbl_test::bits_equal(qbl_test::widen(got), want, static_cast<std::size_t>(sh.features)));
+    }
+  }
+}
 
 }  // namespace

@@ -290,3 +290,103 @@ TEST_F(QuantBlendLinearFixture, GraphReplayGivesTheSameBits) {
 }
 
 }  // namespace
+
+// ---- bf16, fp16 and TF32 -------------------------------------------------------------------
+
+namespace {
+
+template <typename T>
+__global__ void device_sigmoid_t(const T* l, float* alpha, std::int64_t n) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) alpha[i] = qbl::sigmoid<T>(static_cast<float>(l[i]));
+}
+
+/// Documented tolerances for `out` against a float64 product of the exact `mixed`: the GEMM's
+/// output is rounded to T (bf16: 8 significand bits, fp16: 11), accumulation is fp32.
+template <typename T>
+constexpr double out_tolerance() {
+  return std::is_same_v<T, __half> ? 2e-3 : 1e-2;
+}
+
+template <typename T>
+class QuantBlendLinear16 : public ::testing::Test {};
+using Types16 = ::testing::Types<__nv_bfloat16, __half>;
+struct Names16 {
+  template <typename T>
+  static std::string GetName(int) {
+    return std::is_same_v<T, __half> ? "fp16" : "bf16";
+  }
+};
+TYPED_TEST_SUITE(QuantBlendLinear16, Types16, Names16);
+
+TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
+  QBL_REQUIRE_GPU();
+  using T = TypeParam;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  struct Shape {
+    std::int64_t tokens, in, out;
+    std::size_t offset;
+    bool bias;
+  };
+  qbl::QuantBlendLinear<T> layer256(256, 256, 2049);
+  for (const Shape sh : {Shape{1, 256, 256, 0, true}, Shape{7, 256, 256, 1, true},
+                         Shape{2049, 256, 256, 0, true}, Shape{217, 256, 256, 0, false}}) {
+    SCOPED_TRACE("tokens " + std::to_string(sh.tokens) + " offset " + std::to_string(sh.offset));
+    const std::vector<float> xf = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.tokens * sh.in, seed)));
+    const std::vector<float> lf = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.tokens, seed + 1, 2.0f)));
+    const std::vector<float> wf = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.out * sh.in, seed + 2, 0.0625f)));
+    const std::vector<float> bf = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.out, seed + 3)));
+    qbl_test::DeviceArray<T> dx(xf.size() + sh.offset), dl(lf.size() + sh.offset), dw(wf.size() + sh.offset),
+        db(bf.size() + sh.offset), dout(sh.tokens * sh.out + sh.offset);
+    qbl_test::DeviceArray<float> dalpha(sh.tokens);
+    QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(sh.offset), qbl_test::convert<T>(xf)));
+    QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(sh.offset), qbl_test::convert<T>(lf)));
+    QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(sh.offset), qbl_test::convert<T>(wf)));
+    QBL_ASSERT_CUDA(qbl_test::to_device(db.get(sh.offset), qbl_test::convert<T>(bf)));
+    QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, dout.size() * sizeof(T)));
+    layer256.forward(dx.get(sh.offset), dl.get(sh.offset), dw.get(sh.offset),
+                     sh.bias ? db.get(sh.offset) : nullptr, dout.get(sh.offset), sh.tokens);
+    device_sigmoid_t<T><<<static_cast<unsigned>((sh.tokens + 255) / 256), 256>>>(dl.get(sh.offset), dalpha.get(), sh.tokens);
+    QBL_ASSERT_CUDA(cudaGetLastError());
+    std::vector<float> alpha(sh.tokens);
+    std::vector<T> mixed(xf.size()), out(sh.tokens * sh.out);
+    QBL_ASSERT_CUDA(qbl_test::to_host(alpha, dalpha.get()));
+    QBL_ASSERT_CUDA(qbl_test::to_host(mixed, layer256.device_mixed()));
+    QBL_ASSERT_CUDA(qbl_test::to_host(out, dout.get(sh.offset)));
+    std::uint32_t m = 0;
+    for (float v : xf) m = std::max(m, qbl::abs_bits(v));
+    const float scale = qbl::scale_from_amax<T>(qbl::from_abs_bits(m));
+    std::vector<float> want_mixed(xf.size());
+    for (std::int64_t t = 0; t < sh.tokens; ++t)
+      for (std::int64_t c = 0; c < sh.in; ++c)
+        want_mixed[t * sh.in + c] = qbl::quant_blend<T>(xf[t * sh.in + c], alpha[t], scale);
+    EXPECT_TRUE(qbl_test::bits_equal(qbl_test::widen(mixed), want_mixed, static_cast<std::size_t>(sh.in)));
+    const std::vector<float> got = qbl_test::widen(out);
+    for (std::size_t i = 0; i < got.size(); ++i) ASSERT_FALSE(std::isnan(got[i])) << "unwritten or NaN " << i;
+    const auto want = qbl_test::linear_reference(want_mixed, wf, sh.bias ? bf.data() : nullptr, sh.tokens, sh.in, sh.out);
+    EXPECT_LT(qbl_test::relative_error(got, want), out_tolerance<T>());
+  }
+}
+
+TEST(QuantBlendLinearTf32, AllowTf32RunsTheFastModeWithinItsTolerance) {
+  QBL_REQUIRE_GPU();
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Problem p(1024, 512, 512, 0, true, seed);
+  QBL_ASSERT_CUDA(p.upload());
+  qbl::Options o;
+  o.allow_tf32 = true;
+  Layer tf32(512, 512, 1024, o), exact(512, 512, 1024);
+  p.forward(tf32);
+  const auto fast = p.result();
+  p.forward(exact);
+  const auto slow = p.result();
+  const auto want = qbl_test::linear_reference(p.reference_mixed(), p.w, p.b.data(), p.tokens, p.in, p.out);
+  const double e_fast = qbl_test::relative_error(fast, want), e_slow = qbl_test::relative_error(slow, want);
+  EXPECT_LT(e_slow, 1e-5);
+  EXPECT_LT(e_fast, 2e-3);   // TF32 keeps 10 mantissa bits of each operand
+  EXPECT_GT(e_fast, e_slow);  // it did run in the reduced-precision mode
+}
+
+}  // namespace

@@ -146,4 +146,28 @@ inline std::vector<double> linear_reference(const std::vector<float>& a, const s
   return r;
 }
 
+/// Element conversions for the test's host-side data (float, __nv_bfloat16, __half).
+template <typename T>
+T from_f(float v) {
+  return static_cast<T>(v);
+}
+template <typename T>
+float to_f(T v) {
+  return static_cast<float>(v);
+}
+
+template <typename T>
+std::vector<T> convert(const std::vector<float>& v) {
+  std::vector<T> r(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) r[i] = from_f<T>(v[i]);
+  return r;
+}
+
+template <typename T>
+std::vector<float> widen(const std::vector<T>& v) {
+  std::vector<float> r(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) r[i] = to_f(v[i]);
+  return r;
+}
+
 }  // namespace qbl_test

@@ -1,6 +1,9 @@
-// qbl/element_math.cuh -- the per-element arithmetic, bit-for-bit what PyTorch eager computes in fp32.
+// qbl/element_math.cuh -- the per-element arithmetic, bit-for-bit what PyTorch eager computes.
 //
 // Every function here is __host__ __device__ so that the exact same expression is tested on the CPU.
+// The template parameter T is the tensor dtype (float, __nv_bfloat16, __half; float by default).
+// Eager computes each op in fp32 and rounds its result to T, op by op; so does every function here
+// (for T = float the rounding is the identity). Values of type T travel as the floats that hold them.
 // Each product, quotient and sum is rounded on its own (no fused multiply-add): on the device through
 // the __f*_rn intrinsics, which the compiler never contracts; on the host through plain IEEE
 // arithmetic (x86-64 does not contract unless FMA code generation and -ffp-contract=fast are both
@@ -12,6 +15,9 @@
 #pragma once
 
 #include <qbl/detail/config.cuh>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cmath>
 #include <cstdint>
@@ -91,6 +97,25 @@ QBL_HOST_DEVICE float bits_float(std::uint32_t u) {
 #endif
 }
 
+/// v rounded to the nearest T (ties to even), as a float: what eager stores after an fp32 op.
+template <typename T>
+QBL_HOST_DEVICE float round_to(float v);
+
+template <>
+QBL_HOST_DEVICE float round_to<float>(float v) {
+  return v;
+}
+
+template <>
+QBL_HOST_DEVICE float round_to<__nv_bfloat16>(float v) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+template <>
+QBL_HOST_DEVICE float round_to<__half>(float v) {
+  return __half2float(__float2half_rn(v));
+}
+
 }  // namespace detail
 
 /// The bits of |v| as an unsigned integer. For IEEE floats with the sign cleared, unsigned order is
@@ -106,34 +131,51 @@ QBL_HOST_DEVICE float clamp_keep_nan(float v, float lo, float hi) {
   return v < lo ? lo : (v > hi ? hi : v);
 }
 
-/// scale = clamp(amax, min=1e-8) * fl(1/127). NaN stays NaN, +Inf stays +Inf.
+/// scale = clamp(amax, min=1e-8) * fl(1/127), each step rounded to T. NaN stays NaN, +Inf stays
+/// +Inf. The bound is 1e-8 rounded to T, as eager's clamp converts it: for __half that is 0, so an
+/// all-zero x gives scale 0 and then NaN everywhere, as in eager.
+template <typename T = float>
 QBL_HOST_DEVICE float scale_from_amax(float amax) {
-  const float clamped = amax < amax_floor ? amax_floor : amax;
-  return detail::mul_rn(clamped, inv_127);
+  const float bound = detail::round_to<T>(amax_floor);
+  const float clamped = amax < bound ? bound : amax;
+  return detail::round_to<T>(detail::mul_rn(clamped, inv_127));
 }
 
-/// alpha = 1 / (1 + exp(-l)) with IEEE division, as torch.sigmoid in fp32. On the device this is
-/// the CUDA math library's expf (what eager's kernel calls); the host's expf may differ in the last
-/// place, so host-side references take alpha from the device.
+/// alpha = 1 / (1 + exp(-l)) with IEEE division, as torch.sigmoid: computed in fp32, rounded once
+/// to T. On the device this is the CUDA math library's expf (what eager's kernel calls); the host's
+/// expf may differ in the last place, so host-side references take alpha from the device.
+template <typename T = float>
 QBL_HOST_DEVICE float sigmoid(float l) {
-  return detail::div_rn(1.0f, detail::add_rn(1.0f, expf(-l)));
+  return detail::round_to<T>(detail::div_rn(1.0f, detail::add_rn(1.0f, expf(-l))));
 }
 
-/// x_q = clamp(round_half_even(x / scale), -127, 127) * scale, with true IEEE division.
+/// 1 - alpha, rounded to T (eager's rsub).
+template <typename T = float>
+QBL_HOST_DEVICE float one_minus(float alpha) {
+  return detail::round_to<T>(detail::sub_rn(1.0f, alpha));
+}
+
+/// x_q = clamp(round_half_even(x / scale), -127, 127) * scale, with true IEEE division; the
+/// quotient and the product are rounded to T (the rounded code is an integer T holds exactly).
+template <typename T = float>
 QBL_HOST_DEVICE float fake_quant(float x, float scale) {
-  const float q = clamp_keep_nan(detail::round_half_even(detail::div_rn(x, scale)), -qmax, qmax);
-  return detail::mul_rn(q, scale);
+  const float q = clamp_keep_nan(
+      detail::round_half_even(detail::round_to<T>(detail::div_rn(x, scale))), -qmax, qmax);
+  return detail::round_to<T>(detail::mul_rn(q, scale));
 }
 
-/// mixed = (alpha * x_q) + ((1 - alpha) * x), three separate roundings.
+/// mixed = (alpha * x_q) + ((1 - alpha) * x), three separate roundings (each to T).
 /// `one_minus_alpha` is passed in so that a caller can compute it once per token.
+template <typename T = float>
 QBL_HOST_DEVICE float blend(float x, float x_q, float alpha, float one_minus_alpha) {
-  return detail::add_rn(detail::mul_rn(alpha, x_q), detail::mul_rn(one_minus_alpha, x));
+  return detail::round_to<T>(detail::add_rn(detail::round_to<T>(detail::mul_rn(alpha, x_q)),
+                                            detail::round_to<T>(detail::mul_rn(one_minus_alpha, x))));
 }
 
 /// mixed for one element, all steps.
+template <typename T = float>
 QBL_HOST_DEVICE float quant_blend(float x, float alpha, float scale) {
-  return blend(x, fake_quant(x, scale), alpha, detail::sub_rn(1.0f, alpha));
+  return blend<T>(x, fake_quant<T>(x, scale), alpha, one_minus<T>(alpha));
 }
 
 }  // namespace qbl

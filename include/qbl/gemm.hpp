@@ -21,6 +21,8 @@
 #include <qbl/options.hpp>
 
 #include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
@@ -30,7 +32,8 @@
 
 namespace qbl {
 
-/// cuBLASLt type codes for an element type. Specialized for float.
+/// cuBLASLt type codes for an element type: float, __nv_bfloat16, __half. Every type accumulates
+/// and scales in fp32; 16-bit types run on the tensor cores.
 template <typename T>
 struct gemm_traits;
 
@@ -40,6 +43,24 @@ struct gemm_traits<float> {
   static cublasComputeType_t compute_type(const Options& o) {
     return o.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   }
+  /// Split-K reduction schemes allowed: all (partials are fp32 either way).
+  static constexpr std::uint32_t reduction_schemes = CUBLASLT_REDUCTION_SCHEME_MASK;
+};
+
+template <>
+struct gemm_traits<__nv_bfloat16> {
+  static constexpr cudaDataType_t data_type = CUDA_R_16BF;
+  static cublasComputeType_t compute_type(const Options&) { return CUBLAS_COMPUTE_32F; }
+  /// Split-K partials reduced in fp32 only: the in-place and output-type schemes would sum the
+  /// partials (and add the bias) in bf16.
+  static constexpr std::uint32_t reduction_schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+};
+
+template <>
+struct gemm_traits<__half> {
+  static constexpr cudaDataType_t data_type = CUDA_R_16F;
+  static cublasComputeType_t compute_type(const Options&) { return CUBLAS_COMPUTE_32F; }
+  static constexpr std::uint32_t reduction_schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
 };
 
 /// What autotuning measured for one token-count bucket (16-byte-or-better aligned pointers).
@@ -73,8 +94,9 @@ class LinearGemm {
   /// Enqueues the product on `stream`. `bias` may be nullptr (no bias). `workspace` must hold
   /// workspace_bytes() bytes (or be nullptr when that is 0). Pointers need only element alignment;
   /// 16-byte-aligned ones get the fastest algorithms.
-  /// Returns CUBLAS_STATUS_INVALID_VALUE for tokens outside [0, max_tokens]; tokens == 0 does
-  /// nothing.
+  /// Returns CUBLAS_STATUS_INVALID_VALUE for tokens outside [0, max_tokens] and
+  /// CUBLAS_STATUS_NOT_SUPPORTED for pointer alignments cuBLASLt has no algorithm for (found at
+  /// construction; the 256-byte-aligned case always has one); tokens == 0 does nothing.
   cublasStatus_t run(const T* a, const T* w, const T* bias, T* out, std::int64_t tokens,
                      void* workspace, cudaStream_t stream = nullptr);
 
@@ -103,6 +125,7 @@ class LinearGemm {
 
   struct Plan {
     cublasLtMatmulAlgo_t algo[2][align_classes];  // [has_bias][alignment class]
+    bool found[2][align_classes] = {};            // false: cuBLASLt has none for that case
   };
   struct Scratch;
 

@@ -29,12 +29,20 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 namespace qbl {
 
-/// The fused quantize-blend-linear layer for element type T (float).
+/// The fused quantize-blend-linear layer for element type T: float, __nv_bfloat16 or __half.
+/// For 16-bit T, every tensor (x, logits, weight, bias, out, mixed) is in T; each element op runs in
+/// fp32 and is rounded to T, as eager does; amax and scale are held in fp32 on the device, with the
+/// values eager's T tensors hold; the GEMM runs on the tensor cores with fp32 accumulation.
 template <typename T>
 class QuantBlendLinear {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, __nv_bfloat16> ||
+                    std::is_same_v<T, __half>,
+                "QuantBlendLinear<T>: T is float, __nv_bfloat16 or __half");
+
  public:
   using value_type = T;
 

@@ -121,6 +121,10 @@ LinearGemm<T>::LinearGemm(std::int64_t in_features, std::int64_t out_features,
     detail::set_desc(d, CUBLASLT_MATMUL_DESC_TRANSB, trans_b);
     const cublasLtEpilogue_t epilogue = has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
     detail::set_desc(d, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
+    if (has_bias && type != CUDA_R_32F) {
+      // The bias vector is stored in T (as nn.Linear's); it is added to the fp32 accumulator.
+      detail::set_desc(d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, type);
+    }
   }
   // Column-major views: w is k x m (ld k) used transposed, a is k x n (ld k), out is m x n (ld m).
   a_layout_ = detail::make_layout(type, k_, m_, k_);
@@ -133,6 +137,9 @@ LinearGemm<T>::LinearGemm(std::int64_t in_features, std::int64_t out_features,
     QBL_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&p));
     pref_[cls].reset(p);
     detail::set_pref(p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes_);
+    if (gemm_traits<T>::reduction_schemes != CUBLASLT_REDUCTION_SCHEME_MASK) {
+      detail::set_pref(p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, gemm_traits<T>::reduction_schemes);
+    }
     for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
       detail::set_pref(p, attr, align_bytes[cls]);
@@ -271,6 +278,7 @@ void LinearGemm<T>::plan_bucket(std::size_t i, Scratch* scratch) {
           if (!tune) break;
         }
       }
+      if (valid.empty() && cls != 0) continue;  // run() answers NOT_SUPPORTED for such pointers
       if (valid.empty()) {
         detail::throw_cublas(CUBLAS_STATUS_NOT_SUPPORTED,
                              ("cublasLtMatmulAlgoGetHeuristic (tokens up to " + std::to_string(hi) +
@@ -308,6 +316,7 @@ void LinearGemm<T>::plan_bucket(std::size_t i, Scratch* scratch) {
         tuning_.push_back(rec);
       }
       plans_[i].algo[has_bias][cls] = results[best].algo;
+      plans_[i].found[has_bias][cls] = true;
     }
   }
 }
@@ -346,6 +355,7 @@ cublasStatus_t LinearGemm<T>::run(const T* a, const T* w, const T* bias, T* out,
       std::lower_bound(buckets_.begin(), buckets_.end(), tokens) - buckets_.begin());
   const int cls = alignment_class(a, w, bias, out);
   const int has_bias = bias != nullptr ? 1 : 0;
+  if (!plans_[bucket].found[has_bias][cls]) return CUBLAS_STATUS_NOT_SUPPORTED;
   const auto n = static_cast<std::uint64_t>(tokens);
   cublasStatus_t s = cublasLtMatrixLayoutSetAttribute(b_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, &n, sizeof n);
   if (s == CUBLAS_STATUS_SUCCESS)

@@ -46,8 +46,8 @@ __device__ __forceinline__ void quant_blend_rows(const T* __restrict__ x,
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const std::int64_t row = row0 + r * row_step;
-      alpha[r] = row < tokens ? sigmoid(to_float(logits[row])) : 0.0f;
-      one_minus_alpha[r] = detail::sub_rn(1.0f, alpha[r]);
+      alpha[r] = row < tokens ? sigmoid<T>(to_float(logits[row])) : 0.0f;
+      one_minus_alpha[r] = one_minus<T>(alpha[r]);
     }
     for (std::int64_t c = col0; c < cols; c += span) {
       Vec<T, N> in[R];
@@ -68,7 +68,7 @@ __device__ __forceinline__ void quant_blend_rows(const T* __restrict__ x,
 #pragma unroll
         for (int j = 0; j < N; ++j) {
           const float xv = to_float(in[r].v[j]);
-          out.v[j] = from_float<T>(blend(xv, fake_quant(xv, scale), alpha[r], one_minus_alpha[r]));
+          out.v[j] = from_float<T>(blend<T>(xv, fake_quant<T>(xv, scale), alpha[r], one_minus_alpha[r]));
         }
         reinterpret_cast<Vec<T, N>*>(mixed + row * features)[c] = out;
       }
@@ -91,7 +91,7 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
                        std::int64_t features, float* __restrict__ scale_out) {
   auto get_scale = [&] {
     wait_for_primary();
-    return scale_from_amax(*amax);
+    return scale_from_amax<T>(*amax);
   };
   if (scale_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = get_scale();
   quant_blend_rows<T, N, rows_in_flight>(x, logits, get_scale, mixed, tokens, features, blockIdx.x,
@@ -113,7 +113,7 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
       thread_abs_max_bits<T, N>(x, tokens * features, head, threadIdx.x, BLOCK_THREADS));
   if (threadIdx.x == 0) {
     const float a = from_abs_bits(m);
-    const float s = scale_from_amax(a);
+    const float s = scale_from_amax<T>(a);
     shared_scale = s;
     *amax_out = a;
     if (scale_out != nullptr) *scale_out = s;
