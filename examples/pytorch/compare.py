@@ -48,7 +48,7 @@ import qbl_ext  # noqa: E402
 from model_new import ModelNew  # noqa: E402
 from reference import BENCH_SHAPES, Model, _fake_quant_symmetric_int8, get_inputs  # noqa: E402
 
-DTYPES = {"float32": torch.float32}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def log(*args):

@@ -15,7 +15,7 @@ Inference only: the extension records no autograd graph, so ``forward`` behaves 
 under ``torch.no_grad()`` whatever the grad mode -- the output never requires grad and no
 gradient reaches ``x`` or ``out_proj``. Train with ``reference.Model`` (same state dict).
 
-Limits: float32 CUDA tensors only (``TypeError`` / ``RuntimeError`` otherwise); non-contiguous
+Limits: float32, bfloat16 or float16 CUDA tensors only (``TypeError`` / ``RuntimeError`` otherwise); non-contiguous
 inputs are made contiguous first. The GEMM is exact fp32 (no TF32) unless ``allow_tf32`` is set
 to True on the instance (the counterpart of ``torch.backends.cuda.matmul.allow_tf32``).
 One process-wide qbl layer per (device, d_model, dtype) serves every ``ModelNew`` of that size:

@@ -58,7 +58,7 @@
 namespace qbl_torch_ext {
 
 // ------------------------------------------------------------------------------------------------
-// dtype plumbing. Adding an element type (once qbl supports it) takes three edits, all here:
+// dtype plumbing (float32, bfloat16, float16). Adding an element type takes three edits, here:
 //   1. a qbl_element specialization, e.g.
 //        template <> struct qbl_element<at::BFloat16> { using type = __nv_bfloat16; };
 //      (and #include <cuda_bf16.h>),
@@ -76,9 +76,21 @@ struct qbl_element<float> {
   using type = float;
 };
 
-inline bool is_supported_dtype(at::ScalarType dtype) { return dtype == at::kFloat; }
+template <>
+struct qbl_element<at::BFloat16> {
+  using type = __nv_bfloat16;
+};
 
-inline const char* supported_dtypes() { return "torch.float32"; }
+template <>
+struct qbl_element<at::Half> {
+  using type = __half;
+};
+
+inline bool is_supported_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+inline const char* supported_dtypes() { return "torch.float32, torch.bfloat16, torch.float16"; }
 
 // ------------------------------------------------------------------------------------------------
 // Small helpers.
@@ -254,7 +266,10 @@ inline std::unique_ptr<LayerBase> make_typed_layer(at::ScalarType dtype, std::in
   switch (dtype) {
     case at::kFloat:
       return std::make_unique<TypedLayer<float>>(in, out, max_tokens, opt);
-    // case at::kBFloat16: return std::make_unique<TypedLayer<at::BFloat16>>(...);
+    case at::kBFloat16:
+      return std::make_unique<TypedLayer<at::BFloat16>>(in, out, max_tokens, opt);
+    case at::kHalf:
+      return std::make_unique<TypedLayer<at::Half>>(in, out, max_tokens, opt);
     default:
       break;
   }
