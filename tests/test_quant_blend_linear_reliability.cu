@@ -1,0 +1,252 @@
+// qbl/quant_blend_linear.cuh under stress: a bad-input matrix, long graph replays, concurrent
+// instances, determinism and tensors past 2^31 elements.
+#include <qbl/quant_blend_linear.cuh>
+
+#include "test_support.hpp"
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using qbl_test::bits;
+using Layer = qbl::QuantBlendLinear<float>;
+
+/// One forward's buffers on the device, with fresh random contents.
+struct Buffers {
+  std::int64_t tokens, in, out;
+  qbl_test::DeviceArray<float> x, l, w, b, y;
+  Buffers(std::int64_t t, std::int64_t i, std::int64_t o, std::uint64_t seed)
+      : tokens(t), in(i), out(o), x(t * i + 8), l(t + 8), w(o * i + 8), b(o + 8), y(t * o + 8) {
+    upload(seed);
+  }
+  void upload(std::uint64_t seed) {
+    EXPECT_EQ(qbl_test::to_device(x.get(), qbl_test::randn(tokens * in, seed)), cudaSuccess);
+    EXPECT_EQ(qbl_test::to_device(l.get(), qbl_test::randn(tokens, seed + 1, 2.0f)), cudaSuccess);
+    EXPECT_EQ(qbl_test::to_device(w.get(), qbl_test::randn(out * in, seed + 2, 0.05f)), cudaSuccess);
+    EXPECT_EQ(qbl_test::to_device(b.get(), qbl_test::randn(out, seed + 3)), cudaSuccess);
+  }
+  void forward(Layer& layer, cudaStream_t s = nullptr) {
+    layer.forward(x.get(), l.get(), w.get(), b.get(), y.get(), tokens, s);
+  }
+  std::vector<float> result() {
+    std::vector<float> r(static_cast<std::size_t>(tokens * out));
+    EXPECT_EQ(qbl_test::to_host(r, y.get()), cudaSuccess);
+    return r;
+  }
+  cudaError_t poison() { return cudaMemset(y.get(), qbl_test::poison_byte, y.size() * sizeof(float)); }
+};
+
+// ---- bad input: each case throws its type before anything is launched ---------------------
+
+struct BadCase {
+  const char* name;
+  std::function<void(Layer&, Buffers&)> call;
+  enum { invalid, range, logic } expect;
+};
+
+TEST(QuantBlendLinearBadInput, EveryCaseThrowsItsTypeAndLeavesOutUntouched) {
+  QBL_REQUIRE_GPU();
+  Buffers buf(300, 128, 64, qbl_test::fresh_seed());
+  auto odd = [](float* p) { return reinterpret_cast<float*>(reinterpret_cast<char*>(p) + 2); };
+  const std::vector<BadCase> cases = {
+      {"null x", [](Layer& L, Buffers& B) { L.forward(nullptr, B.l.get(), B.w.get(), B.b.get(), B.y.get(), B.tokens); }, BadCase::invalid},
+      {"null logits", [](Layer& L, Buffers& B) { L.forward(B.x.get(), nullptr, B.w.get(), B.b.get(), B.y.get(), B.tokens); }, BadCase::invalid},
+      {"null weight", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), nullptr, B.b.get(), B.y.get(), B.tokens); }, BadCase::invalid},
+      {"null out", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), nullptr, B.tokens); }, BadCase::invalid},
+      {"misaligned x", [&](Layer& L, Buffers& B) { L.forward(odd(B.x.get()), B.l.get(), B.w.get(), B.b.get(), B.y.get(), B.tokens); }, BadCase::invalid},
+      {"misaligned logits", [&](Layer& L, Buffers& B) { L.forward(B.x.get(), odd(B.l.get()), B.w.get(), B.b.get(), B.y.get(), B.tokens); }, BadCase::invalid},
+      {"misaligned weight", [&](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), odd(B.w.get()), B.b.get(), B.y.get(), B.tokens); }, BadCase::invalid},
+      {"misaligned bias", [&](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), odd(B.b.get()), B.y.get(), B.tokens); }, BadCase::invalid},
+      {"misaligned out", [&](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), odd(B.y.get()), B.tokens); }, BadCase::invalid},
+      {"negative tokens", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.y.get(), -1); }, BadCase::invalid},
+      {"tokens > max_tokens", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.y.get(), L.max_tokens() + 1); }, BadCase::range},
+      {"out is x", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.x.get(), B.tokens); }, BadCase::invalid},
+      {"out overlaps x", [](Layer& L, Buffers& B) { L.forward(B.x.get() + 64, B.l.get(), B.w.get(), B.b.get(), B.x.get(), B.tokens); }, BadCase::invalid},
+      {"out overlaps weight", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.w.get() + 4, B.tokens); }, BadCase::invalid},
+      {"out overlaps logits", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.l.get(), B.tokens); }, BadCase::invalid},
+      {"out overlaps bias", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.b.get(), B.tokens); }, BadCase::invalid},
+      {"use after move", [](Layer& L, Buffers& B) { Layer taken = std::move(L); L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.y.get(), B.tokens); }, BadCase::logic},
+  };
+  ASSERT_GE(cases.size(), 15u);
+  for (const BadCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    Layer layer(128, 64, 512);
+    ASSERT_EQ(buf.poison(), cudaSuccess);
+    switch (c.expect) {
+      case BadCase::invalid: EXPECT_THROW(c.call(layer, buf), qbl::invalid_argument); break;
+      case BadCase::range: EXPECT_THROW(c.call(layer, buf), qbl::out_of_range); break;
+      case BadCase::logic: EXPECT_THROW(c.call(layer, buf), qbl::logic_error); break;
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<float> y(buf.y.size());
+    ASSERT_EQ(qbl_test::to_host(y, buf.y.get()), cudaSuccess);
+    for (std::size_t i = 0; i < y.size(); ++i) ASSERT_EQ(bits(y[i]), 0xffffffffu) << "out written at " << i;
+  }
+}
+
+TEST(QuantBlendLinearBadInput, WorkspaceThatCannotBeAllocatedIsOutOfMemory) {
+  QBL_REQUIRE_GPU();
+  // 2^45 bytes of `mixed`: no GPU has that.
+  EXPECT_THROW(Layer(4096, 16, std::int64_t{1} << 31), qbl::out_of_memory);
+  cudaGetLastError();
+  Layer fine(16, 16, 16);  // the device is still usable
+  EXPECT_EQ(fine.max_tokens(), 16);
+}
+
+// ---- graphs, concurrency, determinism -------------------------------------------------------
+
+TEST(QuantBlendLinearGraph, TenThousandReplaysGiveTheSameBits) {
+  QBL_REQUIRE_GPU();
+  Buffers buf(64, 256, 128, qbl_test::fresh_seed());
+  Layer layer(256, 128, 64);
+  cudaStream_t s = nullptr;
+  QBL_ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  buf.forward(layer, s);
+  QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
+  const std::vector<float> want = buf.result();
+  qbl_test::DeviceArray<float> want_d(want.size());
+  QBL_ASSERT_CUDA(qbl_test::to_device(want_d.get(), want));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  QBL_ASSERT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  buf.forward(layer, s);
+  QBL_ASSERT_CUDA(cudaStreamEndCapture(s, &graph));
+  QBL_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  int bad = 0;
+  for (int rep = 0; rep < 10000; ++rep) {
+    QBL_ASSERT_CUDA(cudaMemsetAsync(buf.y.get(), qbl_test::poison_byte, want.size() * sizeof(float), s));
+    QBL_ASSERT_CUDA(cudaGraphLaunch(exec, s));
+    if (rep % 100 == 99 || rep < 10) {  // a full comparison every 100 replays
+      std::vector<float> got(want.size());
+      QBL_ASSERT_CUDA(cudaMemcpyAsync(got.data(), buf.y.get(), got.size() * sizeof(float),
+                                      cudaMemcpyDeviceToHost, s));
+      QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
+      bad += !qbl_test::bits_equal(got, want);
+    }
+  }
+  QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
+  EXPECT_EQ(bad, 0);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+TEST(QuantBlendLinearConcurrency, FourThreadsWithOwnInstancesMatchSerialRuns) {
+  QBL_REQUIRE_GPU();
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  struct Job {
+    std::int64_t tokens, in, out;
+  };
+  const Job jobs[4] = {{1000, 256, 256}, {37, 96, 40}, {4096, 512, 128}, {8, 1024, 1024}};
+  std::vector<std::unique_ptr<Buffers>> bufs;
+  std::vector<std::unique_ptr<Layer>> layers;
+  std::vector<std::vector<float>> serial;
+  for (int j = 0; j < 4; ++j) {
+    bufs.push_back(std::make_unique<Buffers>(jobs[j].tokens, jobs[j].in, jobs[j].out, seed + 10 * j));
+    qbl::Options o;
+    o.autotune = false;
+    layers.push_back(std::make_unique<Layer>(jobs[j].in, jobs[j].out, jobs[j].tokens, o));
+    bufs[j]->forward(*layers[j]);
+    serial.push_back(bufs[j]->result());
+  }
+  std::vector<int> mismatches(4, 0);
+  std::vector<std::thread> threads;
+  for (int j = 0; j < 4; ++j) {
+    threads.emplace_back([&, j] {
+      cudaStream_t s = nullptr;
+      if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+        mismatches[j] = -1;
+        return;
+      }
+      std::vector<float> got(serial[j].size());
+      for (int rep = 0; rep < 50; ++rep) {
+        bufs[j]->forward(*layers[j], s);
+        cudaMemcpyAsync(got.data(), bufs[j]->y.get(), got.size() * sizeof(float), cudaMemcpyDeviceToHost, s);
+        cudaStreamSynchronize(s);
+        mismatches[j] += std::memcmp(got.data(), serial[j].data(), got.size() * sizeof(float)) != 0;
+      }
+      cudaStreamDestroy(s);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int j = 0; j < 4; ++j) EXPECT_EQ(mismatches[j], 0) << "thread " << j;
+}
+
+TEST(QuantBlendLinearDeterminism, SameInputsSameBitsAcrossInstancesWithoutAutotune) {
+  QBL_REQUIRE_GPU();
+  Buffers buf(2049, 512, 384, qbl_test::fresh_seed());
+  qbl::Options o;
+  o.autotune = false;
+  Layer a(512, 384, 4096, o), b(512, 384, 4096, o);
+  buf.forward(a);
+  const auto ra = buf.result();
+  ASSERT_EQ(buf.poison(), cudaSuccess);
+  buf.forward(b);
+  EXPECT_TRUE(qbl_test::bits_equal(buf.result(), ra));
+  ASSERT_EQ(buf.poison(), cudaSuccess);
+  buf.forward(a);
+  EXPECT_TRUE(qbl_test::bits_equal(buf.result(), ra));
+}
+
+// ---- past 2^31 elements -------------------------------------------------------------------
+
+TEST(QuantBlendLinearHuge, MoreThanTwoToThe31ElementsOfX) {
+  QBL_REQUIRE_GPU();
+  const std::int64_t tokens = std::int64_t{1} << 21, in = 1536, out = 16;
+  const std::size_t n = static_cast<std::size_t>(tokens * in);  // 3.2e9 > 2^31
+  std::size_t free_bytes = 0, total = 0;
+  QBL_ASSERT_CUDA(cudaMemGetInfo(&free_bytes, &total));
+  if (free_bytes < 3 * n * sizeof(float)) GTEST_SKIP() << "needs " << 3 * n * 4 / (1 << 30) << " GiB of device memory";
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::vector<float> x(n);
+  {
+    std::mt19937_64 gen(seed);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (std::size_t i = 0; i < (1u << 20); ++i) x[i] = nd(gen);
+    for (std::size_t i = (1u << 20); i < n; ++i) x[i] = x[i % (1u << 20)] * (1.0f + (i >> 20) * 1e-7f);
+    x[n - 5] = 9.5f;  // the amax sits past 2^31
+  }
+  const auto logits = qbl_test::randn(tokens, seed + 1, 2.0f);
+  const auto w = qbl_test::randn(out * in, seed + 2, 0.02f);
+  qbl_test::DeviceArray<float> dx(n), dl(tokens), dw(out * in), dy(tokens * out);
+  ASSERT_TRUE(dx.ok() && dy.ok());
+  QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(), x));
+  QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(), logits));
+  QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(), w));
+  QBL_ASSERT_CUDA(cudaMemset(dy.get(), qbl_test::poison_byte, tokens * out * sizeof(float)));
+  Layer layer(in, out, tokens);
+  layer.forward(dx.get(), dl.get(), dw.get(), nullptr, dy.get(), tokens);
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<float> amax(1);
+  QBL_ASSERT_CUDA(qbl_test::to_host(amax, layer.device_amax()));
+  EXPECT_EQ(amax[0], 9.5f);
+  std::vector<float> y(static_cast<std::size_t>(tokens * out));
+  QBL_ASSERT_CUDA(qbl_test::to_host(y, dy.get()));
+  for (std::size_t i = 0; i < y.size(); ++i) ASSERT_NE(bits(y[i]), 0xffffffffu) << "unwritten " << i;
+  // Rows spread over the whole range, the last ones included, against the CPU.
+  const float scale = qbl::scale_from_amax(9.5f);
+  // Rows spread over the whole range, the last one included, against the CPU. alpha comes from the
+  // host's expf here, which may differ from the device's in the last place: compare to within that.
+  std::vector<float> mixed_row(in);
+  for (std::int64_t t : {std::int64_t{0}, std::int64_t{1} << 20, std::int64_t{1398101}, tokens - 1}) {
+    QBL_ASSERT_CUDA(qbl_test::to_host(mixed_row, layer.device_mixed() + t * in));
+    const float alpha = qbl::sigmoid(logits[t]);
+    for (std::int64_t c = 0; c < in; ++c) {
+      const float xv = x[t * in + c];
+      const float want = qbl::quant_blend(xv, alpha, scale);
+      const float slack = 4e-7f * (std::fabs(xv) + std::fabs(qbl::fake_quant(xv, scale))) + 1e-30f;
+      ASSERT_NEAR(mixed_row[c], want, slack) << "row " << t << " col " << c;
+    }
+  }
+}
+
+}  // namespace
