@@ -3,6 +3,7 @@
 #include <qbl/element_math.cuh>
 
 #include "test_support.hpp"
+#include "test_support_device.cuh"
 
 #include <cfloat>
 #include <cmath>
@@ -241,25 +242,18 @@ struct Format;
 template <>
 struct Format<__nv_bfloat16> {
   static float round(float v) { return ref_bf16(v); }
-  static const char* name() { return "bf16"; }
   static constexpr float half_ulp_at_one = 0x1p-8f;
 };
 template <>
 struct Format<__half> {
   static float round(float v) { return ref_fp16(v); }
-  static const char* name() { return "fp16"; }
   static constexpr float half_ulp_at_one = 0x1p-11f;
 };
 
 template <typename T>
 class ElementMath16 : public ::testing::Test {};
-using Types16 = ::testing::Types<__nv_bfloat16, __half>;
-struct Names16 {
-  template <typename T>
-  static std::string GetName(int) {
-    return Format<T>::name();
-  }
-};
+using qbl_test::Names16;
+using qbl_test::Types16;
 TYPED_TEST_SUITE(ElementMath16, Types16, Names16);
 
 TYPED_TEST(ElementMath16, RoundToMatchesAnIndependentRounding) {

@@ -2,6 +2,7 @@
 #include <qbl/quant_blend.cuh>
 
 #include "test_support.hpp"
+#include "test_support_device.cuh"
 
 #include <cmath>
 #include <limits>
@@ -173,21 +174,12 @@ INSTANTIATE_TEST_SUITE_P(Shapes, QuantBlendDevice, ::testing::ValuesIn(cases()),
 
 namespace {
 
-template <typename T>
-__global__ void device_sigmoid_t(const T* l, float* alpha, std::int64_t n) {
-  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) alpha[i] = qbl::sigmoid<T>(static_cast<float>(l[i]));
-}
+using qbl_test::device_sigmoid_t;
 
 template <typename T>
 class QuantBlendDevice16 : public ::testing::Test {};
-using Types16 = ::testing::Types<__nv_bfloat16, __half>;
-struct Names16 {
-  template <typename T>
-  static std::string GetName(int) {
-    return std::is_same_v<T, __half> ? "fp16" : "bf16";
-  }
-};
+using qbl_test::Names16;
+using qbl_test::Types16;
 TYPED_TEST_SUITE(QuantBlendDevice16, Types16, Names16);
 
 TYPED_TEST(QuantBlendDevice16, MatchesCpuOpByOp) {

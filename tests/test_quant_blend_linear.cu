@@ -3,6 +3,7 @@
 #include <qbl/quant_blend_linear.cuh>
 
 #include "test_support.hpp"
+#include "test_support_device.cuh"
 
 #include <cmath>
 #include <limits>
@@ -295,11 +296,7 @@ TEST_F(QuantBlendLinearFixture, GraphReplayGivesTheSameBits) {
 
 namespace {
 
-template <typename T>
-__global__ void device_sigmoid_t(const T* l, float* alpha, std::int64_t n) {
-  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) alpha[i] = qbl::sigmoid<T>(static_cast<float>(l[i]));
-}
+using qbl_test::device_sigmoid_t;
 
 /// Documented tolerances for `out` against a float64 product of the exact `mixed`: the GEMM's
 /// output is rounded to T (bf16: 8 significand bits, fp16: 11), accumulation is fp32.
@@ -310,13 +307,8 @@ constexpr double out_tolerance() {
 
 template <typename T>
 class QuantBlendLinear16 : public ::testing::Test {};
-using Types16 = ::testing::Types<__nv_bfloat16, __half>;
-struct Names16 {
-  template <typename T>
-  static std::string GetName(int) {
-    return std::is_same_v<T, __half> ? "fp16" : "bf16";
-  }
-};
+using qbl_test::Names16;
+using qbl_test::Types16;
 TYPED_TEST_SUITE(QuantBlendLinear16, Types16, Names16);
 
 TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
