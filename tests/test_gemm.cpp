@@ -4,7 +4,9 @@
 
 #include "test_support.hpp"
 
+#include <cstdio>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -108,6 +110,88 @@ TEST(LinearGemmDevice, AutotuneRecordsEveryBucketAndKeepsTheFastest) {
   o.autotune = false;
   qbl::LinearGemm<float> plain(256, 128, 1000, o);
   EXPECT_TRUE(plain.tuning().empty());
+}
+
+// ---- every element type at every pointer alignment ------------------------------------------
+
+template <typename T>
+const char* type_name() {
+  return std::is_same_v<T, float> ? "fp32" : (std::is_same_v<T, __half> ? "fp16" : "bf16");
+}
+
+template <typename T>
+class LinearGemmTyped : public ::testing::Test {};
+using GemmTypes = ::testing::Types<float, __nv_bfloat16, __half>;
+struct GemmTypeNames {
+  template <typename T>
+  static std::string GetName(int) {
+    return type_name<T>();
+  }
+};
+TYPED_TEST_SUITE(LinearGemmTyped, GemmTypes, GemmTypeNames);
+
+// w, bias and out start `off` elements into their allocations (alignment sizeof(T) * off, or
+// 256 bytes for off == 0). run() either succeeds, as accurately as the exact product rounded to T
+// allows, or answers NOT_SUPPORTED having written nothing -- and then supports() says no from
+// then on. The table of what this cuBLASLt serves is printed.
+TYPED_TEST(LinearGemmTyped, EveryAlignmentRunsOrIsReportedUnsupported) {
+  QBL_REQUIRE_GPU();
+  using T = TypeParam;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::int64_t tokens = 65, in = 96, out = 40;
+  const auto a = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(tokens * in, seed)));
+  const auto w = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(out * in, seed + 1, 0.1f)));
+  const auto b = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(out, seed + 2)));
+  qbl::LinearGemm<T> gemm(in, out, 128);
+  qbl_test::DeviceArray<unsigned char> ws(gemm.workspace_bytes());
+  for (const bool has_bias : {true, false}) {
+    std::string table;
+    for (const std::size_t off : {0, 1, 2, 4, 8}) {
+      const std::size_t align = off == 0 ? 256 : sizeof(T) * (off & (~off + 1));
+      SCOPED_TRACE(std::string(type_name<T>()) + " bias " + (has_bias ? "on" : "off") + " offset " +
+                   std::to_string(off));
+      qbl_test::DeviceArray<T> da(a.size()), dw(w.size() + off), db(b.size() + off),
+          dout(static_cast<std::size_t>(tokens * out) + off);
+      QBL_ASSERT_CUDA(qbl_test::to_device(da.get(), qbl_test::convert<T>(a)));
+      QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(off), qbl_test::convert<T>(w)));
+      QBL_ASSERT_CUDA(qbl_test::to_device(db.get(off), qbl_test::convert<T>(b)));
+      QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, dout.size() * sizeof(T)));
+      const T* bias = has_bias ? db.get(off) : nullptr;
+      const bool offered = gemm.supports(da.get(), dw.get(off), bias, dout.get(off), tokens);
+      const cublasStatus_t st = gemm.run(da.get(), dw.get(off), bias, dout.get(off), tokens, ws.get(), nullptr);
+      QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+      std::vector<T> got(static_cast<std::size_t>(tokens * out));
+      QBL_ASSERT_CUDA(qbl_test::to_host(got, dout.get(off)));
+      table += " " + std::to_string(align) + "B:" +
+               (st == CUBLAS_STATUS_SUCCESS ? "yes" : (offered ? "refused-at-launch" : "no"));
+      if (off == 0) {
+        EXPECT_TRUE(offered) << "no algorithm for 256-byte-aligned pointers";
+      }
+      if (st != CUBLAS_STATUS_SUCCESS) {
+        EXPECT_EQ(st, CUBLAS_STATUS_NOT_SUPPORTED);
+        EXPECT_FALSE(gemm.supports(da.get(), dw.get(off), bias, dout.get(off), tokens));
+        const auto* bytes = reinterpret_cast<const unsigned char*>(got.data());
+        for (std::size_t i = 0; i < got.size() * sizeof(T); ++i) {
+          ASSERT_EQ(bytes[i], qbl_test::poison_byte) << "out written at byte " << i;
+        }
+        continue;
+      }
+      EXPECT_TRUE(offered);
+      const auto want = qbl_test::linear_reference(a, w, has_bias ? b.data() : nullptr, tokens, in, out);
+      std::vector<float> rounded(want.size());
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        rounded[i] = qbl_test::to_f(qbl_test::from_f<T>(static_cast<float>(want[i])));
+      }
+      const std::vector<float> gotf = qbl_test::widen(got);
+      for (std::size_t i = 0; i < gotf.size(); ++i) ASSERT_FALSE(std::isnan(gotf[i])) << "unwritten " << i;
+      // fp32: the rounding of the exact product is ~1e-8; fp32 accumulation adds ~1e-7.
+      const double best = qbl_test::relative_error(rounded, want);
+      EXPECT_LE(qbl_test::relative_error(gotf, want), 1.5 * best + 1e-6) << "best possible " << best;
+    }
+    std::printf("[ %s bias %s ] cuBLASLt at alignment:%s\n", type_name<T>(), has_bias ? "on " : "off",
+                table.c_str());
+  }
 }
 
 TEST(LinearGemmDevice, RunRejectsTokensOutOfRange) {

@@ -6,6 +6,7 @@
 #include "test_support_device.cuh"
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -311,6 +312,9 @@ using qbl_test::Names16;
 using qbl_test::Types16;
 TYPED_TEST_SUITE(QuantBlendLinear16, Types16, Names16);
 
+// Shapes with an even in_features run on cuBLASLt; an odd in_features (45), and pointers at an odd
+// element offset where cuBLASLt refuses them, run on the fallback kernel: both must give eager's
+// mixed and an out as accurate as the dtype allows.
 TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
   QBL_REQUIRE_GPU();
   using T = TypeParam;
@@ -321,10 +325,14 @@ TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
     std::size_t offset;
     bool bias;
   };
-  qbl::QuantBlendLinear<T> layer256(256, 256, 2049);
+  int fallback = 0;
   for (const Shape sh : {Shape{1, 256, 256, 0, true}, Shape{7, 256, 256, 1, true},
-                         Shape{2049, 256, 256, 0, true}, Shape{217, 256, 256, 0, false}}) {
-    SCOPED_TRACE("tokens " + std::to_string(sh.tokens) + " offset " + std::to_string(sh.offset));
+                         Shape{2049, 256, 256, 0, true}, Shape{217, 256, 256, 0, false},
+                         Shape{36, 45, 35, 0, true}, Shape{300, 45, 64, 1, false},
+                         Shape{5, 3, 1, 0, true}}) {
+    SCOPED_TRACE("tokens " + std::to_string(sh.tokens) + " in " + std::to_string(sh.in) + " out " +
+                 std::to_string(sh.out) + " offset " + std::to_string(sh.offset));
+    qbl::QuantBlendLinear<T> layer(sh.in, sh.out, 2049);
     const std::vector<float> xf = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.tokens * sh.in, seed)));
     const std::vector<float> lf = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.tokens, seed + 1, 2.0f)));
     const std::vector<float> wf = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.out * sh.in, seed + 2, 0.0625f)));
@@ -337,14 +345,15 @@ TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
     QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(sh.offset), qbl_test::convert<T>(wf)));
     QBL_ASSERT_CUDA(qbl_test::to_device(db.get(sh.offset), qbl_test::convert<T>(bf)));
     QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, dout.size() * sizeof(T)));
-    layer256.forward(dx.get(sh.offset), dl.get(sh.offset), dw.get(sh.offset),
-                     sh.bias ? db.get(sh.offset) : nullptr, dout.get(sh.offset), sh.tokens);
+    const T* bias = sh.bias ? db.get(sh.offset) : nullptr;
+    layer.forward(dx.get(sh.offset), dl.get(sh.offset), dw.get(sh.offset), bias, dout.get(sh.offset), sh.tokens);
+    fallback += !layer.uses_cublaslt(dw.get(sh.offset), bias, dout.get(sh.offset), sh.tokens);
     device_sigmoid_t<T><<<static_cast<unsigned>((sh.tokens + 255) / 256), 256>>>(dl.get(sh.offset), dalpha.get(), sh.tokens);
     QBL_ASSERT_CUDA(cudaGetLastError());
     std::vector<float> alpha(sh.tokens);
     std::vector<T> mixed(xf.size()), out(sh.tokens * sh.out);
     QBL_ASSERT_CUDA(qbl_test::to_host(alpha, dalpha.get()));
-    QBL_ASSERT_CUDA(qbl_test::to_host(mixed, layer256.device_mixed()));
+    QBL_ASSERT_CUDA(qbl_test::to_host(mixed, layer.device_mixed()));
     QBL_ASSERT_CUDA(qbl_test::to_host(out, dout.get(sh.offset)));
     std::uint32_t m = 0;
     for (float v : xf) m = std::max(m, qbl::abs_bits(v));
@@ -357,8 +366,16 @@ TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
     const std::vector<float> got = qbl_test::widen(out);
     for (std::size_t i = 0; i < got.size(); ++i) ASSERT_FALSE(std::isnan(got[i])) << "unwritten or NaN " << i;
     const auto want = qbl_test::linear_reference(want_mixed, wf, sh.bias ? bf.data() : nullptr, sh.tokens, sh.in, sh.out);
-    EXPECT_LT(qbl_test::relative_error(got, want), out_tolerance<T>());
+    // No worse than the exact product rounded to T (what eager's own GEMM can at best deliver),
+    // give or take fp32 accumulation.
+    std::vector<float> rounded(want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) rounded[i] = qbl::detail::round_to<T>(static_cast<float>(want[i]));
+    const double best = qbl_test::relative_error(rounded, want);
+    const double err = qbl_test::relative_error(got, want);
+    EXPECT_LE(err, 1.5 * best + 1e-6) << "best possible " << best;
+    EXPECT_LT(err, out_tolerance<T>());
   }
+  std::printf("[ %s ] shapes on the fallback GEMM: %d of 7\n", std::is_same_v<T, __half> ? "fp16" : "bf16", fallback);
 }
 
 TEST(QuantBlendLinearTf32, AllowTf32RunsTheFastModeWithinItsTolerance) {

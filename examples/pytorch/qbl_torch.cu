@@ -241,8 +241,23 @@ class TypedLayer final : public LayerBase {
   void forward(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& weight,
                const at::Tensor* bias, at::Tensor& out, std::int64_t tokens,
                cudaStream_t stream) override {
-    impl_.forward(in_ptr(x), in_ptr(logits), in_ptr(weight), bias ? in_ptr(*bias) : nullptr,
-                  reinterpret_cast<elem_t*>(out.mutable_data_ptr<scalar_t>()), tokens, stream);
+    elem_t* out_ptr = reinterpret_cast<elem_t*>(out.mutable_data_ptr<scalar_t>());
+    const elem_t* w = in_ptr(weight);
+    const elem_t* b = bias ? in_ptr(*bias) : nullptr;
+    // A view at an odd element offset can leave weight or bias at an alignment cuBLASLt has no
+    // algorithm for (bf16 at 2 bytes), which qbl serves with its slower fallback GEMM; fresh
+    // copies from torch's allocator are 256-byte aligned. `out` is always a fresh tensor.
+    at::Tensor w_copy, b_copy;
+    const bool aligned = is_aligned16(w) && (b == nullptr || is_aligned16(b));
+    if (!aligned && !impl_.uses_cublaslt(w, b, out_ptr, tokens)) {
+      w_copy = weight.clone();
+      w = in_ptr(w_copy);
+      if (bias) {
+        b_copy = bias->clone();
+        b = in_ptr(b_copy);
+      }
+    }
+    impl_.forward(in_ptr(x), in_ptr(logits), w, b, out_ptr, tokens, stream);
   }
   const void* device_mixed() const override { return impl_.device_mixed(); }
   const float* device_scale() const override { return impl_.device_scale(); }
@@ -253,6 +268,8 @@ class TypedLayer final : public LayerBase {
   }
 
  private:
+  static bool is_aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
   static const elem_t* in_ptr(const at::Tensor& t) {
     return reinterpret_cast<const elem_t*>(t.const_data_ptr<scalar_t>());
   }

@@ -80,9 +80,10 @@ struct GemmTuning {
 template <typename T>
 class LinearGemm {
  public:
-  /// Plans the product for every token count in [1, max_tokens].
-  /// \throws qbl::invalid_argument for non-positive sizes, qbl::cublas_error if cuBLASLt has no
-  ///         algorithm for the shape.
+  /// Plans the product for every token count in [1, max_tokens]. Token counts, alignments and
+  /// shapes cuBLASLt offers no algorithm for are recorded, not fatal: run() answers
+  /// CUBLAS_STATUS_NOT_SUPPORTED for them (QuantBlendLinear then runs its fallback kernel).
+  /// \throws qbl::invalid_argument for non-positive sizes, qbl::cublas_error if cuBLASLt fails.
   LinearGemm(std::int64_t in_features, std::int64_t out_features, std::int64_t max_tokens,
              const Options& options = {});
 
@@ -92,13 +93,20 @@ class LinearGemm {
   LinearGemm& operator=(const LinearGemm&) = delete;
 
   /// Enqueues the product on `stream`. `bias` may be nullptr (no bias). `workspace` must hold
-  /// workspace_bytes() bytes (or be nullptr when that is 0). Pointers need only element alignment;
-  /// 16-byte-aligned ones get the fastest algorithms.
-  /// Returns CUBLAS_STATUS_INVALID_VALUE for tokens outside [0, max_tokens] and
-  /// CUBLAS_STATUS_NOT_SUPPORTED for pointer alignments cuBLASLt has no algorithm for (found at
-  /// construction; the 256-byte-aligned case always has one); tokens == 0 does nothing.
+  /// workspace_bytes() bytes (or be nullptr when that is 0). 16-byte-aligned pointers get the
+  /// fastest algorithms; less aligned ones run where cuBLASLt has an algorithm for them (see
+  /// supports()).
+  /// Returns CUBLAS_STATUS_INVALID_VALUE for tokens outside [0, max_tokens] or a null operand and
+  /// CUBLAS_STATUS_NOT_SUPPORTED, having enqueued nothing, where cuBLASLt has no algorithm for the
+  /// token count and pointer alignment (see supports()); tokens == 0 does nothing.
   cublasStatus_t run(const T* a, const T* w, const T* bias, T* out, std::int64_t tokens,
                      void* workspace, cudaStream_t stream = nullptr);
+
+  /// Would run() take these pointers for `tokens` in [1, max_tokens]? False where cuBLASLt offered
+  /// no algorithm at construction, or refused at launch one it had offered (from then on). Seen on
+  /// an H200: bf16 and fp16 with an odd in_features, bf16 pointers aligned to 2 bytes only.
+  /// Host-only, no CUDA call.
+  bool supports(const T* a, const T* w, const T* bias, const T* out, std::int64_t tokens) const noexcept;
 
   /// Workspace bytes run() may use.
   std::size_t workspace_bytes() const noexcept { return workspace_bytes_; }
@@ -110,7 +118,8 @@ class LinearGemm {
   const std::vector<GemmTuning>& tuning() const noexcept { return tuning_; }
 
   /// The algorithm run() uses for `tokens` with 256-byte-aligned pointers, as
-  /// "algo <id> tile <id> stages <id> splitK <n> reduction <scheme> swizzle <n>".
+  /// "algo <id> tile <id> stages <id> splitK <n> reduction <scheme> swizzle <n>" ("none" if
+  /// cuBLASLt has none).
   std::string describe(std::int64_t tokens, bool bias) const;
 
   std::int64_t in_features() const noexcept { return k_; }
@@ -118,10 +127,13 @@ class LinearGemm {
   std::int64_t max_tokens() const noexcept { return max_tokens_; }
 
  private:
-  // Alignment classes of a call's pointers: 256 bytes (cuBLASLt's default assumption, what
-  // fresh allocations give), 16 bytes, or only the element size.
-  static constexpr int align_classes = 3;
-  static int alignment_class(const void* a, const void* w, const void* bias, const void* out);
+  // Alignment classes of a call's pointers, by the largest power of two all of them are aligned
+  // to: 256 bytes (cuBLASLt's default assumption, what fresh allocations give), 16, 8, 4 and 2
+  // (classes below sizeof(T) stay unused).
+  static constexpr int align_classes = 5;
+  static constexpr std::uint32_t class_bytes[align_classes] = {256u, 16u, 8u, 4u, 2u};
+  static int alignment_class(const void* a, const void* w, const void* bias, const void* out) noexcept;
+  std::size_t bucket_of(std::int64_t tokens) const noexcept;
 
   struct Plan {
     cublasLtMatmulAlgo_t algo[2][align_classes];  // [has_bias][alignment class]

@@ -11,7 +11,8 @@
 //
 // The object owns every device buffer and cuBLASLt object it uses; construction plans the GEMM
 // and allocates. forward() validates its arguments (throwing before anything is launched), then
-// enqueues two or three kernels and one cublasLtMatmul on `stream`: no allocation, no host
+// enqueues two or three kernels and one cublasLtMatmul (or, where cuBLASLt has no
+// algorithm, qbl's fallback GEMM kernel) on `stream`: no allocation, no host
 // synchronization, no heuristic query, no copy to the host -- so it can be captured in a CUDA
 // graph, which stays valid for as long as the object lives.
 //
@@ -20,6 +21,7 @@
 #pragma once
 
 #include <qbl/detail/handles.hpp>
+#include <qbl/detail/linear_fallback.cuh>
 #include <qbl/error.hpp>
 #include <qbl/gemm.hpp>
 #include <qbl/options.hpp>
@@ -66,12 +68,24 @@ class QuantBlendLinear {
   /// layout), bias [out_features] or nullptr, out [tokens, out_features]. `out` must not overlap
   /// any input. tokens == 0 does nothing.
   ///
-  /// \throws qbl::invalid_argument (null or misaligned pointer, negative tokens, out overlapping an
-  ///         input, wrong current device), qbl::out_of_range (tokens > max_tokens),
+  /// The GEMM runs on cuBLASLt wherever it has an algorithm for the token count, the shape and
+  /// the pointers' alignment, and otherwise on qbl's own fallback kernel (correct for any shape
+  /// and alignment, slower; uses_cublaslt() tells which).
+  ///
+  /// \throws qbl::invalid_argument (null or misaligned pointer, negative tokens, out overlapping
+  ///         an input, wrong current device), qbl::out_of_range (tokens > max_tokens),
   ///         qbl::logic_error (moved-from object) -- all before anything is launched, so `out` is
   ///         untouched; qbl::cuda_error / qbl::cublas_error if a launch fails.
   void forward(const T* x, const T* logits, const T* weight, const T* bias, T* out,
                std::int64_t tokens, cudaStream_t stream = nullptr);
+
+  /// Will forward() with these pointers and `tokens` in [1, max_tokens] run its GEMM on cuBLASLt?
+  /// False: on the fallback kernel, because cuBLASLt has no algorithm for the shape (bf16/fp16
+  /// with an odd in_features, on an H200) or for the pointers' alignment (bf16 at 2 bytes).
+  /// Aligning weight, bias and out to 16 bytes avoids the second case.
+  bool uses_cublaslt(const T* weight, const T* bias, const T* out, std::int64_t tokens) const noexcept {
+    return gemm_.supports(mixed_.as<T>(), weight, bias, out, tokens);
+  }
 
   /// The scale of the last forward (one float on the device). Read it after the forward's stream
   /// has reached that point.

@@ -131,8 +131,8 @@ LinearGemm<T>::LinearGemm(std::int64_t in_features, std::int64_t out_features,
   b_layout_ = detail::make_layout(type, k_, max_tokens_, k_);
   c_layout_ = detail::make_layout(type, m_, max_tokens_, m_);
 
-  const std::uint32_t align_bytes[align_classes] = {256u, 16u, static_cast<std::uint32_t>(sizeof(T))};
   for (int cls = 0; cls < align_classes; ++cls) {
+    if (class_bytes[cls] < sizeof(T)) continue;
     cublasLtMatmulPreference_t p = nullptr;
     QBL_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&p));
     pref_[cls].reset(p);
@@ -142,7 +142,7 @@ LinearGemm<T>::LinearGemm(std::int64_t in_features, std::int64_t out_features,
     }
     for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-      detail::set_pref(p, attr, align_bytes[cls]);
+      detail::set_pref(p, attr, class_bytes[cls]);
     }
   }
 
@@ -172,12 +172,28 @@ LinearGemm<T>::LinearGemm(std::int64_t in_features, std::int64_t out_features,
 }
 
 template <typename T>
-int LinearGemm<T>::alignment_class(const void* a, const void* w, const void* bias, const void* out) {
+int LinearGemm<T>::alignment_class(const void* a, const void* w, const void* bias,
+                                   const void* out) noexcept {
   auto all = [&](std::size_t bytes) {
     return detail::is_aligned(a, bytes) && detail::is_aligned(w, bytes) &&
            detail::is_aligned(out, bytes) && (bias == nullptr || detail::is_aligned(bias, bytes));
   };
-  return all(256) ? 0 : (all(16) ? 1 : 2);
+  int cls = 0;
+  while (cls + 1 < align_classes && !all(class_bytes[cls])) ++cls;
+  return cls;
+}
+
+template <typename T>
+std::size_t LinearGemm<T>::bucket_of(std::int64_t tokens) const noexcept {
+  return static_cast<std::size_t>(std::lower_bound(buckets_.begin(), buckets_.end(), tokens) -
+                                  buckets_.begin());
+}
+
+template <typename T>
+bool LinearGemm<T>::supports(const T* a, const T* w, const T* bias, const T* out,
+                             std::int64_t tokens) const noexcept {
+  if (tokens < 1 || tokens > max_tokens_ || plans_.empty()) return false;
+  return plans_[bucket_of(tokens)].found[bias != nullptr ? 1 : 0][alignment_class(a, w, bias, out)];
 }
 
 template <typename T>
@@ -263,6 +279,7 @@ void LinearGemm<T>::plan_bucket(std::size_t i, Scratch* scratch) {
   const std::int64_t hi = buckets_[i];
   for (int has_bias = 0; has_bias < 2; ++has_bias) {
     for (int cls = 0; cls < align_classes; ++cls) {
+      if (class_bytes[cls] < sizeof(T)) continue;
       const bool tune = scratch != nullptr && cls == 0;
       const int wanted = tune ? autotune_candidates_ : 4;
       cublasLtMatmulHeuristicResult_t results[max_candidates] = {};
@@ -278,14 +295,7 @@ void LinearGemm<T>::plan_bucket(std::size_t i, Scratch* scratch) {
           if (!tune) break;
         }
       }
-      if (valid.empty() && cls != 0) continue;  // run() answers NOT_SUPPORTED for such pointers
-      if (valid.empty()) {
-        detail::throw_cublas(CUBLAS_STATUS_NOT_SUPPORTED,
-                             ("cublasLtMatmulAlgoGetHeuristic (tokens up to " + std::to_string(hi) +
-                              ", alignment class " + std::to_string(cls) + ")")
-                                 .c_str(),
-                             __FILE__, __LINE__);
-      }
+      if (valid.empty()) continue;  // run() answers NOT_SUPPORTED for these
       int best = valid.front();
       if (tune) {
         GemmTuning rec;
@@ -324,9 +334,9 @@ void LinearGemm<T>::plan_bucket(std::size_t i, Scratch* scratch) {
 template <typename T>
 std::string LinearGemm<T>::describe(std::int64_t tokens, bool bias) const {
   if (tokens < 1 || tokens > max_tokens_ || plans_.empty()) return "none";
-  const std::size_t bucket = static_cast<std::size_t>(
-      std::lower_bound(buckets_.begin(), buckets_.end(), tokens) - buckets_.begin());
-  const cublasLtMatmulAlgo_t& algo = plans_[bucket].algo[bias ? 1 : 0][0];
+  const Plan& plan = plans_[bucket_of(tokens)];
+  if (!plan.found[bias ? 1 : 0][0]) return "none";
+  const cublasLtMatmulAlgo_t& algo = plan.algo[bias ? 1 : 0][0];
   auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr) -> long long {
     // The size passed must be the attribute's own: ask for it first.
     std::size_t size = 0;
@@ -351,8 +361,7 @@ cublasStatus_t LinearGemm<T>::run(const T* a, const T* w, const T* bias, T* out,
   if (tokens < 0 || tokens > max_tokens_ || !handle_) return CUBLAS_STATUS_INVALID_VALUE;
   if (tokens == 0) return CUBLAS_STATUS_SUCCESS;
   if (a == nullptr || w == nullptr || out == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  const std::size_t bucket = static_cast<std::size_t>(
-      std::lower_bound(buckets_.begin(), buckets_.end(), tokens) - buckets_.begin());
+  const std::size_t bucket = bucket_of(tokens);
   const int cls = alignment_class(a, w, bias, out);
   const int has_bias = bias != nullptr ? 1 : 0;
   if (!plans_[bucket].found[has_bias][cls]) return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -364,9 +373,14 @@ cublasStatus_t LinearGemm<T>::run(const T* a, const T* w, const T* bias, T* out,
     s = cublasLtMatmulDescSetAttribute(desc_[1].get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias);
   if (s != CUBLAS_STATUS_SUCCESS) return s;
   const float one = 1.0f, zero = 0.0f;
-  return cublasLtMatmul(handle_.get(), desc_[has_bias].get(), &one, w, a_layout_.get(), a,
-                        b_layout_.get(), &zero, out, c_layout_.get(), out, c_layout_.get(),
-                        &plans_[bucket].algo[has_bias][cls], workspace, workspace_bytes_, stream);
+  s = cublasLtMatmul(handle_.get(), desc_[has_bias].get(), &one, w, a_layout_.get(), a,
+                     b_layout_.get(), &zero, out, c_layout_.get(), out, c_layout_.get(),
+                     &plans_[bucket].algo[has_bias][cls], workspace, workspace_bytes_, stream);
+  // cuBLASLt checks the actual pointers at launch and can refuse, before enqueuing anything, an
+  // algorithm its heuristic offered for their alignment class (bf16 at 2 bytes on an H200):
+  // remember it, so that supports() says so from now on.
+  if (s == CUBLAS_STATUS_NOT_SUPPORTED) plans_[bucket].found[has_bias][cls] = false;
+  return s;
 }
 
 }  // namespace qbl

@@ -95,8 +95,15 @@ void QuantBlendLinear<T>::forward(const T* x, const T* logits, const T* weight, 
               "forward() must run on the device the layer was constructed on");
 
   float* stats = stats_.as<float>();
-  QBL_CUDA_TRY(amax_quant_blend(x, logits, mixed_.as<T>(), tokens, in_, stats, stats + 1, stream));
-  QBL_CUBLAS_TRY(gemm_.run(mixed_.as<T>(), weight, bias, out, tokens, cublas_workspace_.get(), stream));
+  T* mixed = mixed_.as<T>();
+  QBL_CUDA_TRY(amax_quant_blend(x, logits, mixed, tokens, in_, stats, stats + 1, stream));
+  const cublasStatus_t gemm = gemm_.run(mixed, weight, bias, out, tokens, cublas_workspace_.get(), stream);
+  if (gemm == CUBLAS_STATUS_NOT_SUPPORTED) {  // nothing was enqueued: the fallback kernel instead
+    QBL_CUDA_TRY(detail::linear_fallback(static_cast<const T*>(mixed), weight, bias, out, tokens,
+                                         in_, out_, stream));
+  } else if (gemm != CUBLAS_STATUS_SUCCESS) {
+    detail::throw_cublas(gemm, "LinearGemm::run (cublasLtMatmul)", __FILE__, __LINE__);
+  }
 }
 
 }  // namespace qbl
