@@ -20,10 +20,13 @@ struct Options {
   bool allow_tf32 = false;
 
   /// At construction, time up to `autotune_candidates` cuBLASLt heuristic candidates for every
-  /// token-count bucket on scratch data of the real shape and keep the fastest. Costs a few
-  /// GEMMs per bucket at start-up (and a temporary scratch allocation); turn off for fast start-up,
-  /// which keeps cuBLASLt's first-ranked algorithm.
-  bool autotune = true;
+  /// token-count bucket on scratch data of the real shape and keep the fastest (a candidate must
+  /// beat cuBLASLt's first choice by 10 %). Off by default, like torch.backends.cudnn.benchmark:
+  /// timing-based choices can differ between instances and runs, and so can the last bits of
+  /// `out`; with it off every instance runs cuBLASLt's first-ranked algorithm and results are
+  /// bitwise reproducible. On, it costs a few GEMMs per bucket and a scratch allocation of the
+  /// operands' size at construction, and pays off mostly at small token counts.
+  bool autotune = false;
   int autotune_candidates = 8;
 };
 
