@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Everything qbl runs on a GPU, in one go: build, the whole test suite, the sanitizers, the torch
+# drop-in's checks and the benchmark. Each stage writes its log to LOGDIR and has a time limit, so
+# that one slow stage cannot starve the others; the summary at the end says what passed.
+#
+#   tools/gpu_check.sh [stage ...]          stages: build test sanitize compare bench (default: all)
+#
+# Environment: LOGDIR (default build-gpu/logs), BUILD (default build-gpu), JOBS (default nproc),
+# COMPARE_ARGS / BENCH_ARGS (extra arguments), and per-stage limits in seconds:
+# TEST_S (900), SANITIZE_S (900), COMPARE_S (900), BENCH_S (900).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build-gpu}
+LOGDIR=${LOGDIR:-$BUILD/logs}
+JOBS=${JOBS:-$(nproc)}
+mkdir -p "$LOGDIR"
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(build test sanitize compare bench)
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+secs() { echo $(( $(date +%s) - $1 )); }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv \
+  >"$LOGDIR/gpu.txt" 2>&1 || true
+
+if has build; then
+  t=$(date +%s)
+  if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+       >"$LOGDIR/build.log" 2>&1 &&
+     cmake --build "$BUILD" -j"$JOBS" >>"$LOGDIR/build.log" 2>&1; then
+    note "build: ok ($(secs $t) s)"
+  else
+    note "build: FAILED ($(secs $t) s)"; tail -n 40 "$LOGDIR/build.log"; exit 1
+  fi
+fi
+
+if has test; then
+  t=$(date +%s)
+  timeout "${TEST_S:-900}" ctest --test-dir "$BUILD" -j"${TEST_JOBS:-6}" --output-on-failure \
+    --timeout 600 >"$LOGDIR/ctest.log" 2>&1
+  rc=$?
+  note "ctest (rc $rc, $(secs $t) s): $(grep -E 'tests passed|tests failed' "$LOGDIR/ctest.log" | tail -n 1)"
+  grep -E '\*\*\*Failed|\*\*\*Exception|\*\*\*Timeout|Not Run' "$LOGDIR/ctest.log" | head -n 30
+  grep -c 'Skipped' "$LOGDIR/ctest.log" | sed 's/^/   skipped lines: /'
+fi
+
+if has sanitize; then
+  t=$(date +%s)
+  timeout "${SANITIZE_S:-900}" tests/run_sanitizers.sh "$BUILD" >"$LOGDIR/sanitize.log" 2>&1
+  rc=$?
+  cp "$BUILD"/sanitizer-*.log "$LOGDIR"/ 2>/dev/null
+  note "sanitizers (rc $rc, $(secs $t) s):"
+  sed 's/^/   /' "$LOGDIR/sanitize.log"
+fi
+
+if has compare; then
+  t=$(date +%s)
+  timeout "${COMPARE_S:-900}" python3 examples/pytorch/compare.py ${COMPARE_ARGS:-} \
+    >"$LOGDIR/compare.log" 2>&1
+  rc=$?
+  note "compare.py ${COMPARE_ARGS:-} (rc $rc, $(secs $t) s): $(tail -n 1 "$LOGDIR/compare.log")"
+  grep -E 'FAIL|Error|error' "$LOGDIR/compare.log" | head -n 30
+fi
+
+if has bench; then
+  t=$(date +%s)
+  timeout "${BENCH_S:-900}" "$BUILD"/benchmarks/qbl_bench ${BENCH_ARGS:-} >"$LOGDIR/bench.log" 2>&1
+  rc=$?
+  note "qbl_bench ${BENCH_ARGS:-} (rc $rc, $(secs $t) s)"
+fi
+
+echo
+echo "==== summary"
+printf '%s\n' "${summary[@]}"
