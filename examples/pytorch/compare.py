@@ -18,7 +18,7 @@ Per shape (B, T, D):
   * NaN/Inf: one NaN in x -> every output NaN, one +Inf in x -> every output NaN, one NaN logit
     -> exactly that row NaN, in both eager and ModelNew;
   * timing (triton.testing.do_bench, median): eager, torch.compile (default), torch.compile
-    (reduce-overhead), ModelNew -- all under torch.no_grad, TF32 off.
+    (reduce-overhead), ModelNew -- all under torch.no_grad, TF32 off unless --tf32.
 Once, before the shapes: API checks of the extension (argument errors, empty inputs, 2-D input,
 bias=None, cache growth, a side stream, CUDA-graph capture).
 
@@ -77,12 +77,13 @@ def rel_fro(out, ref64):
     return num / den if den > 0 else num
 
 
-def make_pair(d, dtype, device, seed=0):
-    """Model and ModelNew with one state dict."""
+def make_pair(d, dtype, device, seed=0, tf32=False):
+    """Model and ModelNew with one state dict (ModelNew's GEMM in TF32 if `tf32`)."""
     torch.manual_seed(seed)
     ref = Model(d).to(device=device, dtype=dtype).eval()
     new = ModelNew(d).to(device=device, dtype=dtype).eval()
     new.load_state_dict(ref.state_dict())
+    new.allow_tf32 = tf32
     return ref, new
 
 
@@ -145,8 +146,19 @@ def raises(fn, *, expect=(RuntimeError, TypeError, ValueError, IndexError)):
     return False, "no exception"
 
 
+# Tolerance of the API checks' comparisons of two GEMMs over the same exact `mixed`: they may run
+# different algorithms, and in 16-bit dtypes the output is rounded to 8 (bf16) or 11 (fp16)
+# significand bits, so a different summation order can move an output by one unit in the last place.
+API_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
 def api_checks(ext, checks, dtype):
     log("== API checks")
+    tol = API_TOL[dtype]
+
+    def close(a, b):
+        return torch.allclose(a, b, atol=tol, rtol=tol)
+
     dev = torch.device("cuda", torch.cuda.current_device())
     d, dout = 64, 48
     g = torch.Generator(device=dev).manual_seed(7)
@@ -157,7 +169,7 @@ def api_checks(ext, checks, dtype):
     mixed, scale, amax = eager_mixed(x, lg)
     ref = F.linear(mixed, w, b)
 
-    layer = ext.Layer(d, dout, 16)
+    layer = ext.Layer(d, dout, 16, False, dtype)
     checks.check(layer.in_features == d and layer.out_features == dout
                  and layer.max_tokens == 16 and layer.dtype == dtype
                  and layer.device == dev and not layer.allow_tf32, "Layer properties", repr(layer))
@@ -166,25 +178,35 @@ def api_checks(ext, checks, dtype):
     y = layer.forward(x, lg, w, b)
     checks.check(y.shape == (2, 5, dout) and y.dtype == dtype and y.device == dev,
                  "Layer.forward output shape/dtype/device", f"{tuple(y.shape)} {y.dtype}")
-    checks.check(torch.allclose(y, ref, atol=1e-4, rtol=1e-4), "Layer.forward vs eager",
+    checks.check(close(y, ref), "Layer.forward vs eager",
                  f"max abs diff {(y - ref).abs().max().item():.3g}")
     checks.check(torch.equal(layer.last_mixed().view_as(mixed), mixed),
                  "Layer.last_mixed() (default tokens) == eager mixed")
     checks.check(layer.last_tokens == 10, "Layer.last_tokens", str(layer.last_tokens))
-    checks.check(torch.equal(layer.last_scale(), scale), "Layer.last_scale() == eager scale",
+    checks.check(torch.equal(layer.last_scale(), scale.float()), "Layer.last_scale() == eager scale",
                  f"{layer.last_scale().item()!r} vs {scale.item()!r}")
-    checks.check(torch.equal(layer.last_amax(), amax), "Layer.last_amax() == eager amax")
+    checks.check(torch.equal(layer.last_amax(), amax.float()), "Layer.last_amax() == eager amax")
     checks.check(torch.allclose(layer(x, lg, w, b), y, atol=1e-6, rtol=1e-6), "Layer.__call__")
 
     # 2-D input, bias=None, module-level forward.
     y2 = ext.forward(x.view(-1, d), lg.view(-1), w, b)
-    checks.check(y2.shape == (10, dout) and torch.allclose(y2.view_as(y), y, atol=1e-5, rtol=1e-5),
+    checks.check(y2.shape == (10, dout) and close(y2.view_as(y), y),
                  "forward with 2-D x")
     y3 = ext.forward(x, lg, w, None)
-    checks.check(torch.allclose(y3, F.linear(mixed, w), atol=1e-4, rtol=1e-4), "forward bias=None")
+    checks.check(close(y3, F.linear(mixed, w)), "forward bias=None")
     y4 = layer.forward(x, lg, w)
-    checks.check(torch.allclose(y4, F.linear(mixed, w), atol=1e-4, rtol=1e-4),
+    checks.check(close(y4, F.linear(mixed, w)),
                  "Layer.forward bias omitted")
+
+    # Weight and bias viewed at an odd element offset (any alignment torch allows) still run.
+    w_buf = torch.empty(w.numel() + 1, device=dev, dtype=dtype)
+    b_buf = torch.empty(b.numel() + 1, device=dev, dtype=dtype)
+    w_odd = w_buf[1:].view_as(w)
+    b_odd = b_buf[1:]
+    w_odd.copy_(w)
+    b_odd.copy_(b)
+    y_odd = layer.forward(x, lg, w_odd, b_odd)
+    checks.check(close(y_odd, ref), "weight and bias at an odd element offset")
 
     # Empty inputs return empty outputs without touching the layer.
     e1 = ext.forward(x[:0], lg[:0], w, b)
@@ -233,7 +255,7 @@ def api_checks(ext, checks, dtype):
         rr = F.linear(eager_mixed(xx, ll)[0], w, b)
         info = [i for i in ext.cache_info() if i["in_features"] == d and i["out_features"] == dout]
         got = info[0]["max_tokens"] if len(info) == 1 else None
-        checks.check(got == cap and torch.allclose(yy, rr, atol=1e-4, rtol=1e-4),
+        checks.check(got == cap and close(yy, rr),
                      f"cache growth at {tokens} tokens", f"max_tokens {got}, expected {cap}")
     cached = ext.get_cached_layer(dev.index, d, dout)
     checks.check(cached is not None and cached.max_tokens == 32, "get_cached_layer")
@@ -245,15 +267,15 @@ def api_checks(ext, checks, dtype):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fresh = ext.Layer(d, dout, 16)  # constructed while a side stream is current
+        fresh = ext.Layer(d, dout, 16, False, dtype)  # constructed while a side stream is current
         ys = fresh.forward(x, lg, w, b)
         ms = fresh.last_mixed()
         ym = ext.forward(x, lg, w, b)
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
-    checks.check(torch.allclose(ys, ref, atol=1e-4, rtol=1e-4) and
+    checks.check(close(ys, ref) and
                  torch.equal(ms.view_as(mixed), mixed) and
-                 torch.allclose(ym, ref, atol=1e-4, rtol=1e-4), "forward on a side stream")
+                 close(ym, ref), "forward on a side stream")
 
     # CUDA graph capture of ModelNew (the cached layer exists before capture).
     try:
@@ -276,7 +298,7 @@ def api_checks(ext, checks, dtype):
             graph.replay()
             with torch.no_grad():
                 want = ref_m(sx, sl)
-            ok = ok and torch.allclose(sy, want, atol=1e-4, rtol=1e-4)
+            ok = ok and close(sy, want)
         checks.check(ok, "CUDA graph capture + replay of ModelNew")
         del graph
     except Exception as e:  # noqa: BLE001
@@ -284,6 +306,69 @@ def api_checks(ext, checks, dtype):
     ext.clear_cache()
     torch.cuda.synchronize()
     log(f"    API checks: {'ok' if not checks.failures else 'FAILED'}")
+
+
+def same_bits(a, b):
+    """Bitwise equality, any NaN equal to any NaN (as a mismatch count)."""
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    ok = (a.view(ints[a.dtype]) == b.view(ints[b.dtype])) | (torch.isnan(a) & torch.isnan(b))
+    return int((~ok).sum().item())
+
+
+def nonfinite_checks(ext, checks, dtype):
+    """Non-finite and edge inputs, one table: qbl's mixed, scale and amax bit for bit as eager's
+    (NaN for NaN), and qbl's out NaN exactly where eager's is."""
+    log("== non-finite and edge inputs vs eager")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    b, t, d = 2, 19, 96
+    tiny = 1e-5 if dtype == torch.float16 else 1e-39
+    nan, inf = float("nan"), float("inf")
+
+    def put(tensor, index, value):
+        tensor = tensor.clone()
+        tensor.view(-1)[index] = value
+        return tensor
+
+    cases = {
+        "NaN in x": lambda x, l: (put(x, 100, nan), l),
+        "+Inf in x": lambda x, l: (put(x, 3, inf), l),
+        "-Inf in x": lambda x, l: (put(x, x.numel() - 1, -inf), l),
+        "NaN logit": lambda x, l: (x, put(l, 7, nan)),
+        "+Inf logit": lambda x, l: (x, put(l, 7, inf)),
+        "-Inf logit": lambda x, l: (x, put(l, 7, -inf)),
+        "all-zero x": lambda x, l: (torch.zeros_like(x), l),
+        "all -0.0 x": lambda x, l: (torch.full_like(x, -0.0), l),
+        "-0.0 among values": lambda x, l: (x.view(-1).index_fill(0, torch.arange(0, x.numel(), 5, device=dev), -0.0).view_as(x), l),
+        "denormal x": lambda x, l: ((x.float() * tiny).to(dtype), l),
+        "huge x (near max)": lambda x, l: ((x / x.abs().max() * torch.finfo(dtype).max).to(dtype), l),
+    }
+    ref, new = make_pair(d, dtype, dev, seed=11)
+    layer = ext.Layer(d, d, b * t, False, dtype)
+    rows = []
+    for name, make in cases.items():
+        torch.manual_seed(5)
+        x0, l0 = get_inputs(b, t, d, dtype=dtype, device=dev)
+        x, lg = make(x0, l0)
+        mixed, scale, amax = eager_mixed(x, lg)
+        layer.forward(x, lg, ref.out_proj.weight, ref.out_proj.bias)
+        bad_mixed = same_bits(layer.last_mixed().view_as(mixed), mixed)
+        bad_stats = same_bits(layer.last_scale(), scale.float()) + same_bits(layer.last_amax(), amax.float())
+        out_ref, out_new = ref(x, lg), new(x, lg)
+        # Near the top of the range the GEMM overflows, and where inf - inf turns into NaN depends
+        # on the summation order of each library's algorithm: only mixed is compared there.
+        nan_pattern = name.startswith("huge") or bool(torch.equal(torch.isnan(out_ref), torch.isnan(out_new)))
+        ok = checks.check(bad_mixed == 0 and bad_stats == 0 and nan_pattern, f"non-finite: {name}",
+                          f"{bad_mixed} mixed elements differ, stats differ {bad_stats}, "
+                          f"out NaN pattern equal {nan_pattern}")
+        mixed_nan = int(torch.isnan(mixed).sum().item())
+        rows.append(f"    {'ok  ' if ok else 'FAIL'} {name:20s} eager mixed NaN {mixed_nan:5d}/{mixed.numel()}, "
+                    f"out NaN {int(torch.isnan(out_ref).sum().item()):5d}/{out_ref.numel()}; "
+                    f"qbl: mixed bit-equal {bad_mixed == 0}, scale/amax equal {bad_stats == 0}, "
+                    f"out NaN pattern equal {nan_pattern}")
+    for r in rows:
+        log(r)
+    del layer
+    ext.clear_cache()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -294,7 +379,7 @@ def correctness(shape, dtype, dev, args, ext, checks):
     b, t, d = shape
     tokens = b * t
     res = {}
-    ref, new = make_pair(d, dtype, dev, seed=0)
+    ref, new = make_pair(d, dtype, dev, seed=0, tf32=args.tf32)
     ref64 = copy.deepcopy(ref).double()
 
     # 1. allclose over trials + relative Frobenius errors against float64.
@@ -337,7 +422,7 @@ def correctness(shape, dtype, dev, args, ext, checks):
     for line in lines:
         log(line)
 
-    layer = ext.Layer(d, d, tokens)
+    layer = ext.Layer(d, d, tokens, False, dtype)
     layer.forward(x, lg, ref.out_proj.weight, ref.out_proj.bias)
     lm = layer.last_mixed(tokens).view(b, t, d)
     n_bad2, lines2 = mismatch_report(lm, mixed)
@@ -345,10 +430,10 @@ def correctness(shape, dtype, dev, args, ext, checks):
                                f"{n_bad2} of {mixed.numel()} elements differ")
     for line in lines2:
         log(line)
-    exact_scale = checks.check(torch.equal(layer.last_scale(), scale),
+    exact_scale = checks.check(torch.equal(layer.last_scale(), scale.float()),
                                f"{shape}: Layer.last_scale == eager scale",
                                f"{layer.last_scale().item()!r} vs {scale.item()!r}")
-    exact_amax = checks.check(torch.equal(layer.last_amax(), amax),
+    exact_amax = checks.check(torch.equal(layer.last_amax(), amax.float()),
                               f"{shape}: Layer.last_amax == eager amax")
     res["mixed_exact"] = exact_model and exact_layer and exact_scale and exact_amax
     res["mixed_mismatches"] = n_bad + n_bad2
@@ -483,6 +568,9 @@ def main():
     ap.add_argument("--shapes", default="all",
                     help="comma-separated BxTxD or indices into BENCH_SHAPES (default: all)")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--tf32", action="store_true",
+                    help="float32 with TF32 GEMMs: torch.backends.cuda.matmul.allow_tf32 = True for "
+                         "eager and torch.compile, ModelNew.allow_tf32 = True for qbl")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--atol", type=float, default=1e-2)
     ap.add_argument("--rtol", type=float, default=1e-2)
@@ -503,9 +591,11 @@ def main():
         return 2
     dtype = DTYPES[args.dtype]
     dev = torch.device("cuda", torch.cuda.current_device())
+    if args.tf32 and dtype != torch.float32:
+        ap.error("--tf32 needs --dtype float32")
     if dtype == torch.float32:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+        torch.backends.cudnn.allow_tf32 = args.tf32
 
     t_start = time.perf_counter()
     t0 = time.perf_counter()
@@ -527,8 +617,9 @@ def main():
         "",
         f"- device: {props.name} ({dev}), torch {torch.__version__}, CUDA {torch.version.cuda}, "
         f"triton {triton_version}, qbl {ext.qbl_version}",
-        f"- dtype {args.dtype}; TF32 off (torch.backends.cuda.matmul.allow_tf32 = "
-        f"{torch.backends.cuda.matmul.allow_tf32}); all runs under torch.no_grad",
+        f"- dtype {args.dtype}; TF32 {'on' if args.tf32 else 'off'} (torch.backends.cuda.matmul.allow_tf32 = "
+        f"{torch.backends.cuda.matmul.allow_tf32}, ModelNew.allow_tf32 = {args.tf32}); mixed bit-exact "
+        "checks run the exact GEMM; all runs under torch.no_grad",
         f"- allclose: {args.trials} trials, atol={args.atol}, rtol={args.rtol}; rel err: "
         f"||out - ref64||_F / ||ref64||_F (max over trials), limit "
         f"max({args.rel_factor} x eager, {args.rel_floor:g})",
@@ -546,6 +637,11 @@ def main():
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 checks.check(False, "API checks raised", f"{type(e).__name__}: {e}")
+            try:
+                nonfinite_checks(ext, checks, dtype)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                checks.check(False, "non-finite checks raised", f"{type(e).__name__}: {e}")
 
         rows = []
         for shape in parse_shapes(args.shapes):
