@@ -1,46 +1,67 @@
-// qbl_bench -- fp32 benchmark of qbl::QuantBlendLinear against its floor and an eager-like chain.
+// qbl_bench -- benchmark of qbl::QuantBlendLinear against its floor and an eager-like chain, in
+// fp32, TF32, bf16 and fp16.
 //
-// For every shape (B, T, D) of the table below (tokens = B * T, in = out = D) one process times,
-// side by side on one non-default stream:
-//   forward      qbl::QuantBlendLinear<float>::forward (one object per shape, max_tokens = tokens)
+// For every shape (B, T, D) of the table below (tokens = B * T, in = out = D) and every dtype of
+// --dtypes, one process times, side by side on one non-default stream:
+//   forward      qbl::QuantBlendLinear<T>::forward (one object per shape and dtype,
+//                max_tokens = tokens)
 //   graph        the same forward captured once into a CUDA graph and replayed (launch-bound
 //                shapes only: tokens * D < 2^20)
 //   amax         qbl::amax alone
 //   quant_blend  qbl::quant_blend alone, given a ready d_amax
 //   fused_prol.  qbl::amax_quant_blend (the prologue exactly as forward() issues it)
-//   gemm         qbl::LinearGemm<float>::run on a ready `mixed`
-//   bare_gemm    cuBLASLt set up here directly: TN, CUBLAS_COMPUTE_32F, EPILOGUE_BIAS, top
-//                heuristic algorithm, 32 MiB workspace -- the "GEMM floor"
+//   gemm         qbl::LinearGemm<T>::run on a ready `mixed`, built with Options::autotune (the
+//                forward runs the default: cuBLASLt's first-ranked algorithm, as bare_gemm does)
+//   bare_gemm    cuBLASLt set up here directly: TN, A/B/C/D in T, fp32 compute and scale,
+//                EPILOGUE_BIAS, top heuristic algorithm, 32 MiB workspace -- the "GEMM floor"
 //   eager        an unfused chain that mirrors eager PyTorch kernel by kernel (abs, max,
 //                clamp_min, scale, div, round, clamp, mul, sigmoid, mul, rsub, mul, add), each
 //                step its own kernel and its own temporary, then the same bare GEMM
 //   copy         a 1 GiB device-to-device cudaMemcpyAsync: the bandwidth a streaming kernel can
-//                hope for, measured in the same run (bytes read + bytes written over time)
+//                hope for, measured in the same run (bytes read + bytes written over time), once
+//                per shape and shared by its dtypes, so that their floors use one bandwidth
+//
+// Dtypes (--dtypes, any of the four; default fp32,tf32,bf16), element type T:
+//   fp32   float; every GEMM in CUBLAS_COMPUTE_32F (PyTorch's default fp32 matmul)
+//   tf32   float; qbl built with Options::allow_tf32 and the bare GEMM in
+//          CUBLAS_COMPUTE_32F_FAST_TF32 (torch.backends.cuda.matmul.allow_tf32 = True); the
+//          prologue is fp32's
+//   bf16   __nv_bfloat16
+//   fp16   __half
+// For bf16 and fp16 every tensor is in T and every element op computes in fp32 and rounds its
+// result to T, as eager does; the GEMMs run on the tensor cores with fp32 accumulation, split-K
+// partials reduced in fp32 only (the bare GEMM is held to the same rule as qbl's).
+// For each shape the selected dtypes run one after another, so that they are measured next to
+// each other.
 //
 // Method. Each item gets warm-up runs first (doubling rounds until one round lasts >= 10 ms), then
 // at least --reps runs and enough that they add up to >= --min-ms. Every run is bracketed by its
 // own event pair and the MEDIAN of the per-run times is reported (robust to the occasional
 // preempted or clock-throttled run). Inputs rotate run by run over K independent sets of x and
-// logits with K * bytes(x) >= 3 x L2, so that x comes from HBM as it does in a real network
-// where the previous layer's output has long left L2. W, b and the GEMM's `mixed` operand do not
-// rotate: in real use the same weights are read every step, and `mixed` is consumed right after
-// it is written. All inputs are random, generated on the device (never zeros: zeros would make
-// the fake-quantize degenerate and may let the GPU run at lower power).
+// logits with K * bytes(x) >= 3 x L2 (bytes in T), so that x comes from HBM as it does in a real
+// network where the previous layer's output has long left L2. W, b and the GEMM's `mixed` operand
+// do not rotate: in real use the same weights are read every step, and `mixed` is consumed right
+// after it is written. All inputs are random, generated on the device in T (never zeros: zeros
+// would make the fake-quantize degenerate and may let the GPU run at lower power).
 //
-// Before timing, each shape is checked once: the chain's `mixed` must be bit-identical to
-// QuantBlendLinear::device_mixed(), and the two `out`s must agree to ~1e-6 relative (they differ
-// only if cuBLASLt picked different algorithms for the two GEMMs).
+// Before timing, each shape and dtype is checked once: the chain's `mixed` must be bit-identical
+// to QuantBlendLinear<T>::device_mixed() and its amax bit-equal; the two `out`s are compared and
+// their largest relative difference reported (they differ only if cuBLASLt picked different
+// algorithms for the two GEMMs: ~1e-6 in fp32, a few units in T's last place otherwise).
 //
-// Derived numbers: floor_ms = bare_gemm_ms + 2 * tokens * D * 4 B / copy bandwidth (read x once,
-// write mixed once, at copy speed); prologue GB/s = 3 * tokens * D * 4 B / (amax_ms +
-// quant_blend_ms) (amax reads x; quant_blend reads x and writes mixed); GEMM TFLOP/s =
+// Derived numbers: floor_ms = bare_gemm_ms + 2 * tokens * D * sizeof(T) B / copy bandwidth (read x
+// once, write mixed once, at copy speed); prologue GB/s = 3 * tokens * D * sizeof(T) B /
+// (amax_ms + quant_blend_ms) (amax reads x; quant_blend reads x and writes mixed); GEMM TFLOP/s =
 // 2 * tokens * D^2 / bare_gemm_ms.
 //
-//   qbl_bench [--shapes 0,3,6] [--csv results.csv] [--md results.md] [--min-ms 50] [--reps 20]
+//   qbl_bench [--shapes 0,3,6] [--dtypes fp32,tf32,bf16,fp16] [--csv results.csv] [--md results.md]
+//             [--min-ms 50] [--reps 20]
 
 #include <qbl/qbl.cuh>
 
 #include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -53,6 +74,7 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -110,11 +132,22 @@ constexpr std::size_t rotation_cap_bytes = 2048 * mib;
 constexpr int max_graph_sets = 8192;  // one instantiated graph per rotating input set, at most
 constexpr double warmup_round_ms = 10.0;
 
+// ---- dtypes ------------------------------------------------------------------------------------
+
+// tf32 shares fp32's element type; it changes only how the GEMMs compute.
+enum class Dtype { fp32, tf32, bf16, fp16 };
+constexpr Dtype all_dtypes[] = {Dtype::fp32, Dtype::tf32, Dtype::bf16, Dtype::fp16};
+constexpr const char* dtype_names[] = {"fp32", "tf32", "bf16", "fp16"};
+constexpr const char* default_dtypes = "fp32,tf32,bf16";
+
+const char* dtype_name(Dtype d) { return dtype_names[static_cast<int>(d)]; }
+
 // ---- command line ------------------------------------------------------------------------------
 
 struct Args {
   std::string csv_path, md_path;
   std::vector<int> shapes;
+  std::vector<Dtype> dtypes;
   double min_ms = 50.0;
   int reps = 20;
   int max_runs = 100000;
@@ -127,7 +160,9 @@ void print_usage(const char* argv0) {
   std::printf(
       "usage: %s [options]\n"
       "  --shapes i,j,...   indices into the shape table (default: all)\n"
-      "  --csv PATH         write one CSV row per shape\n"
+      "  --dtypes LIST      comma-separated from fp32, tf32, bf16, fp16 (default %s);\n"
+      "                     for each shape, every dtype listed, in the order given\n"
+      "  --csv PATH         write one CSV row per shape and dtype\n"
       "  --md PATH          write a markdown table\n"
       "  --min-ms X         timed runs per item add up to at least X ms (default 50)\n"
       "  --reps N           at least N timed runs per item (default 20)\n"
@@ -135,8 +170,10 @@ void print_usage(const char* argv0) {
       "  --copy-mib N       size of the device-to-device copy (default 1024)\n"
       "  --device N         CUDA device (default 0)\n"
       "  --no-graph         skip the CUDA-graph replay of launch-bound shapes\n"
+      "dtypes: fp32 and tf32 run float tensors (tf32: both GEMMs in CUBLAS_COMPUTE_32F_FAST_TF32),\n"
+      "        bf16 and fp16 run __nv_bfloat16 and __half tensors with fp32 accumulation\n"
       "shapes (B, T, D):\n",
-      argv0);
+      argv0, default_dtypes);
   for (int i = 0; i < shape_count; ++i) {
     const Shape& s = shape_table[i];
     std::printf("  %d: (%" PRId64 ", %" PRId64 ", %" PRId64 ")  tokens %" PRId64 "\n", i, s.b, s.t,
@@ -156,6 +193,31 @@ long long parse_int(const std::string& flag, const char* s) {
   return v;
 }
 
+// "a,b,c" -> {"a", "b", "c"}; an empty item stays (and is rejected by the caller).
+std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> items;
+  std::size_t pos = 0;
+  while (pos <= list.size()) {
+    const std::size_t comma = std::min(list.find(',', pos), list.size());
+    items.push_back(list.substr(pos, comma - pos));
+    pos = comma + 1;
+  }
+  return items;
+}
+
+std::vector<Dtype> parse_dtypes(const std::string& list) {
+  std::vector<Dtype> dtypes;
+  for (const std::string& item : split_list(list)) {
+    const auto known = std::find_if(std::begin(all_dtypes), std::end(all_dtypes),
+                                    [&](Dtype d) { return item == dtype_name(d); });
+    if (known == std::end(all_dtypes)) {
+      bad_args("unknown dtype in --dtypes: '" + item + "' (fp32, tf32, bf16 or fp16)");
+    }
+    dtypes.push_back(*known);
+  }
+  return dtypes;
+}
+
 Args parse_args(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
@@ -172,16 +234,13 @@ Args parse_args(int argc, char** argv) {
     } else if (flag == "--md") {
       a.md_path = value();
     } else if (flag == "--shapes") {
-      const std::string list = value();
-      std::size_t pos = 0;
-      while (pos <= list.size()) {
-        const std::size_t comma = std::min(list.find(',', pos), list.size());
-        const std::string item = list.substr(pos, comma - pos);
+      for (const std::string& item : split_list(value())) {
         const long long idx = parse_int(flag, item.c_str());
         if (idx < 0 || idx >= shape_count) bad_args("shape index out of range: " + item);
         a.shapes.push_back(static_cast<int>(idx));
-        pos = comma + 1;
       }
+    } else if (flag == "--dtypes") {
+      a.dtypes = parse_dtypes(value());  // never empty: an empty item is rejected
     } else if (flag == "--min-ms") {
       const char* s = value();
       char* end = nullptr;
@@ -208,6 +267,7 @@ Args parse_args(int argc, char** argv) {
   if (a.shapes.empty()) {
     for (int i = 0; i < shape_count; ++i) a.shapes.push_back(i);
   }
+  if (a.dtypes.empty()) a.dtypes = parse_dtypes(default_dtypes);
   a.max_runs = std::max(a.max_runs, a.reps);
   return a;
 }
@@ -253,6 +313,56 @@ std::size_t round_up(std::size_t v, std::size_t to) { return (v + to - 1) / to *
 
 bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
+// ---- element types -------------------------------------------------------------------------
+//
+// Conversions go through the named intrinsics only: the harness must also build where the
+// implicit __half / __nv_bfloat16 conversions and operators are switched off
+// (__CUDA_NO_HALF_CONVERSIONS__ and friends, as PyTorch builds its extensions). Float -> T
+// rounds to nearest even, which is what eager does when it stores an fp32 result in T.
+
+template <typename T>
+inline constexpr bool is_element_type =
+    std::is_same_v<T, float> || std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;
+
+__host__ __device__ __forceinline__ float to_f32(float v) { return v; }
+__host__ __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__host__ __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+
+template <typename T>
+__host__ __device__ T from_f32(float v);
+template <>
+__host__ __device__ __forceinline__ float from_f32<float>(float v) {
+  return v;
+}
+template <>
+__host__ __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__host__ __device__ __forceinline__ __half from_f32<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// v rounded to the nearest T, held as a float (the identity for float).
+template <typename T>
+__host__ __device__ __forceinline__ float round_to(float v) {
+  return to_f32(from_f32<T>(v));
+}
+
+// cuBLASLt's type code for T.
+template <typename T>
+constexpr cudaDataType_t cuda_data_type() {
+  static_assert(is_element_type<T>, "T is float, __nv_bfloat16 or __half");
+  return std::is_same_v<T, float> ? CUDA_R_32F : (std::is_same_v<T, __half> ? CUDA_R_16F : CUDA_R_16BF);
+}
+
+// 16 bytes of T moved as one access: 4 floats or 8 bf16 / fp16 values.
+template <typename T>
+struct alignas(16) Vec16 {
+  static constexpr int size = static_cast<int>(16 / sizeof(T));
+  T v[size];
+};
+
 // ---- random inputs, generated on the device -------------------------------------------------
 
 __device__ __forceinline__ std::uint64_t splitmix64(std::uint64_t z) {
@@ -262,28 +372,29 @@ __device__ __forceinline__ std::uint64_t splitmix64(std::uint64_t z) {
   return z ^ (z >> 31);
 }
 
-// Box-Muller over two 24-bit uniforms from one 64-bit hash of (seed, i): randn-like, |z| <= 5.8.
-__global__ void fill_randn_kernel(float* __restrict__ p, std::int64_t n, std::uint64_t seed,
-                                  float stddev) {
+// Box-Muller over two 24-bit uniforms from one 64-bit hash of (seed, i): randn-like, |z| <= 5.8;
+// drawn in fp32 and rounded to T, as torch.randn(dtype=T) stores it.
+template <typename T>
+__global__ void fill_randn_kernel(T* __restrict__ p, std::int64_t n, std::uint64_t seed, float stddev) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
     const std::uint64_t h = splitmix64(seed * 0x632be59bd9b4e019ull + static_cast<std::uint64_t>(i));
     const float u1 = static_cast<float>((h >> 40) + 1) * 0x1p-24f;  // (0, 1]
     const float u2 = static_cast<float>(h & 0xffffffu) * 0x1p-24f;  // [0, 1)
-    p[i] = stddev * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    p[i] = from_f32<T>(stddev * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
   }
 }
 
 // Uniform in [-bound, bound): nn.Linear's default init for W and b with bound = 1/sqrt(in).
-__global__ void fill_uniform_kernel(float* __restrict__ p, std::int64_t n, std::uint64_t seed,
-                                    float bound) {
+template <typename T>
+__global__ void fill_uniform_kernel(T* __restrict__ p, std::int64_t n, std::uint64_t seed, float bound) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
     const std::uint64_t h = splitmix64(seed * 0x632be59bd9b4e019ull + static_cast<std::uint64_t>(i));
     const float u = static_cast<float>(h >> 40) * 0x1p-24f;
-    p[i] = bound * (2.0f * u - 1.0f);
+    p[i] = from_f32<T>(bound * (2.0f * u - 1.0f));
   }
 }
 
@@ -292,33 +403,42 @@ unsigned fill_grid(std::int64_t n, int sms) {
       1, std::min<std::int64_t>((n + 255) / 256, std::int64_t{sms} * 32)));
 }
 
-void fill_randn(float* p, std::int64_t n, std::uint64_t seed, float stddev, int sms,
-                cudaStream_t s) {
-  fill_randn_kernel<<<fill_grid(n, sms), 256, 0, s>>>(p, n, seed, stddev);
+template <typename T>
+void fill_randn(T* p, std::int64_t n, std::uint64_t seed, float stddev, int sms, cudaStream_t s) {
+  fill_randn_kernel<T><<<fill_grid(n, sms), 256, 0, s>>>(p, n, seed, stddev);
   LAUNCH_CHECK();
 }
 
-void fill_uniform(float* p, std::int64_t n, std::uint64_t seed, float bound, int sms,
-                  cudaStream_t s) {
-  fill_uniform_kernel<<<fill_grid(n, sms), 256, 0, s>>>(p, n, seed, bound);
+template <typename T>
+void fill_uniform(T* p, std::int64_t n, std::uint64_t seed, float bound, int sms, cudaStream_t s) {
+  fill_uniform_kernel<T><<<fill_grid(n, sms), 256, 0, s>>>(p, n, seed, bound);
   LAUNCH_CHECK();
 }
 
 // ---- the eager-like chain's kernels ------------------------------------------------------------
 //
-// One kernel per eager op, each writing its own temporary. Like PyTorch's vectorized elementwise
-// kernel: 128 threads, one float4 per thread, a one-shot grid. (Eager's broadcast ops -- alpha
-// [tokens, 1] times x_q -- take PyTorch's slower non-vectorized path; here they stay vectorized,
-// so this chain is, if anything, faster than eager and the speedup over it is conservative.)
-// Arithmetic uses the _rn intrinsics: no contraction, IEEE rounding of every step, as eager.
+// One kernel per eager op, each writing its own temporary in T. Like PyTorch's vectorized
+// elementwise kernel: 128 threads, 16 bytes per thread (4 floats, 8 bf16 / fp16 values), a
+// one-shot grid. (Eager's broadcast ops -- alpha [tokens, 1] times x_q -- take PyTorch's slower
+// non-vectorized path; here they stay vectorized, so this chain is, if anything, faster than
+// eager and the speedup over it is conservative.)
+// Every op reads T, computes in fp32 and rounds its result to T once, as eager's kernels do for
+// bf16 / fp16 (for float the rounding is the identity). Arithmetic uses the _rn intrinsics: no
+// contraction, IEEE rounding of every step, as eager.
 
 constexpr int ew_threads = 128;
 
 struct AbsOp {
   __device__ float operator()(float v) const { return fabsf(v); }
 };
-struct ClampMinOp {  // amax.clamp(min=1e-8); NaN stays NaN (NaN < x is false)
-  __device__ float operator()(float v) const { return v < 1e-8f ? 1e-8f : v; }
+// amax.clamp(min=1e-8): eager converts the bound to T before it compares (1e-8 is 0 in fp16).
+// NaN stays NaN (NaN < x is false).
+template <typename T>
+struct ClampMinOp {
+  __device__ float operator()(float v) const {
+    const float bound = round_to<T>(1e-8f);
+    return v < bound ? bound : v;
+  }
 };
 struct ScaleOp {  // amax / 127.0: eager multiplies by fl(1/127) for a CPU-scalar divisor
   __device__ float operator()(float v) const { return __fmul_rn(v, 1.0f / 127.0f); }
@@ -345,69 +465,94 @@ struct AddOp {
   __device__ float operator()(float a, float b) const { return __fadd_rn(a, b); }
 };
 
+// First element of this thread's 16 bytes.
+template <typename T>
+__device__ __forceinline__ std::int64_t ew_first() {
+  return (static_cast<std::int64_t>(blockIdx.x) * ew_threads + threadIdx.x) * Vec16<T>::size;
+}
+
 // out[i] = op(a[i])
-template <bool VEC, typename Op>
+template <typename T, bool VEC, typename Op>
 __global__ void __launch_bounds__(ew_threads)
-    unary_kernel(const float* __restrict__ a, float* __restrict__ out, std::int64_t n, Op op) {
-  const std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * ew_threads + threadIdx.x) * 4;
-  if (VEC && i + 4 <= n) {
-    const float4 v = *reinterpret_cast<const float4*>(a + i);
-    *reinterpret_cast<float4*>(out + i) = make_float4(op(v.x), op(v.y), op(v.z), op(v.w));
+    unary_kernel(const T* __restrict__ a, T* __restrict__ out, std::int64_t n, Op op) {
+  constexpr int N = Vec16<T>::size;
+  const std::int64_t i = ew_first<T>();
+  if (VEC && i + N <= n) {
+    const Vec16<T> u = *reinterpret_cast<const Vec16<T>*>(a + i);
+    Vec16<T> r;
+#pragma unroll
+    for (int j = 0; j < N; ++j) r.v[j] = from_f32<T>(op(to_f32(u.v[j])));
+    *reinterpret_cast<Vec16<T>*>(out + i) = r;
   } else {
-    for (std::int64_t j = i; j < n && j < i + 4; ++j) out[j] = op(a[j]);
+    for (std::int64_t j = i; j < n && j < i + N; ++j) out[j] = from_f32<T>(op(to_f32(a[j])));
   }
 }
 
 // out[i] = op(a[i], b[i])
-template <bool VEC, typename Op>
+template <typename T, bool VEC, typename Op>
 __global__ void __launch_bounds__(ew_threads)
-    binary_kernel(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out,
+    binary_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out,
                   std::int64_t n, Op op) {
-  const std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * ew_threads + threadIdx.x) * 4;
-  if (VEC && i + 4 <= n) {
-    const float4 u = *reinterpret_cast<const float4*>(a + i);
-    const float4 v = *reinterpret_cast<const float4*>(b + i);
-    *reinterpret_cast<float4*>(out + i) =
-        make_float4(op(u.x, v.x), op(u.y, v.y), op(u.z, v.z), op(u.w, v.w));
+  constexpr int N = Vec16<T>::size;
+  const std::int64_t i = ew_first<T>();
+  if (VEC && i + N <= n) {
+    const Vec16<T> u = *reinterpret_cast<const Vec16<T>*>(a + i);
+    const Vec16<T> v = *reinterpret_cast<const Vec16<T>*>(b + i);
+    Vec16<T> r;
+#pragma unroll
+    for (int j = 0; j < N; ++j) r.v[j] = from_f32<T>(op(to_f32(u.v[j]), to_f32(v.v[j])));
+    *reinterpret_cast<Vec16<T>*>(out + i) = r;
   } else {
-    for (std::int64_t j = i; j < n && j < i + 4; ++j) out[j] = op(a[j], b[j]);
+    for (std::int64_t j = i; j < n && j < i + N; ++j) out[j] = from_f32<T>(op(to_f32(a[j]), to_f32(b[j])));
   }
 }
 
-// out[i] = op(a[i], *s): a 0-dim device tensor on the right (x / scale, q * scale)
-template <bool VEC, typename Op>
+// out[i] = op(a[i], *s): a 0-dim device tensor on the right (x / scale, q * scale). The scalar is
+// held as a float whose value T represents exactly.
+template <typename T, bool VEC, typename Op>
 __global__ void __launch_bounds__(ew_threads)
-    scalar_rhs_kernel(const float* __restrict__ a, const float* __restrict__ s,
-                      float* __restrict__ out, std::int64_t n, Op op) {
-  const std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * ew_threads + threadIdx.x) * 4;
+    scalar_rhs_kernel(const T* __restrict__ a, const float* __restrict__ s, T* __restrict__ out,
+                      std::int64_t n, Op op) {
+  constexpr int N = Vec16<T>::size;
+  const std::int64_t i = ew_first<T>();
   const float sv = *s;
-  if (VEC && i + 4 <= n) {
-    const float4 v = *reinterpret_cast<const float4*>(a + i);
-    *reinterpret_cast<float4*>(out + i) = make_float4(op(v.x, sv), op(v.y, sv), op(v.z, sv), op(v.w, sv));
+  if (VEC && i + N <= n) {
+    const Vec16<T> u = *reinterpret_cast<const Vec16<T>*>(a + i);
+    Vec16<T> r;
+#pragma unroll
+    for (int j = 0; j < N; ++j) r.v[j] = from_f32<T>(op(to_f32(u.v[j]), sv));
+    *reinterpret_cast<Vec16<T>*>(out + i) = r;
   } else {
-    for (std::int64_t j = i; j < n && j < i + 4; ++j) out[j] = op(a[j], sv);
+    for (std::int64_t j = i; j < n && j < i + N; ++j) out[j] = from_f32<T>(op(to_f32(a[j]), sv));
   }
 }
 
 // out[i] = op(r[i / cols], a[i]): a [rows, 1] tensor broadcast over a [rows, cols] one
-template <bool VEC, typename Op>
+template <typename T, bool VEC, typename Op>
 __global__ void __launch_bounds__(ew_threads)
-    row_lhs_kernel(const float* __restrict__ r, const float* __restrict__ a, float* __restrict__ out,
+    row_lhs_kernel(const T* __restrict__ r, const T* __restrict__ a, T* __restrict__ out,
                    std::int64_t n, std::int64_t cols, Op op) {
-  const std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * ew_threads + threadIdx.x) * 4;
-  if (VEC && i + 4 <= n) {  // cols % 4 == 0 here, so the four share one row
-    const float rv = r[i / cols];
-    const float4 v = *reinterpret_cast<const float4*>(a + i);
-    *reinterpret_cast<float4*>(out + i) = make_float4(op(rv, v.x), op(rv, v.y), op(rv, v.z), op(rv, v.w));
+  constexpr int N = Vec16<T>::size;
+  const std::int64_t i = ew_first<T>();
+  if (VEC && i + N <= n) {  // cols % N == 0 here, so the N elements share one row
+    const float rv = to_f32(r[i / cols]);
+    const Vec16<T> u = *reinterpret_cast<const Vec16<T>*>(a + i);
+    Vec16<T> o;
+#pragma unroll
+    for (int j = 0; j < N; ++j) o.v[j] = from_f32<T>(op(rv, to_f32(u.v[j])));
+    *reinterpret_cast<Vec16<T>*>(out + i) = o;
   } else {
-    for (std::int64_t j = i; j < n && j < i + 4; ++j) out[j] = op(r[j / cols], a[j]);
+    for (std::int64_t j = i; j < n && j < i + N; ++j) {
+      out[j] = from_f32<T>(op(to_f32(r[j / cols]), to_f32(a[j])));
+    }
   }
 }
 
-// *out = op(*a): the 0-dim ops (clamp_min, the scale)
-template <typename Op>
+// *out = op(*a), rounded to T: the 0-dim ops (clamp_min, the scale) on 0-dim T tensors, whose
+// values are held as floats.
+template <typename T, typename Op>
 __global__ void scalar_unary_kernel(const float* __restrict__ a, float* __restrict__ out, Op op) {
-  *out = op(*a);
+  *out = round_to<T>(op(*a));
 }
 
 // NaN-propagating max (eager's max): fmaxf would return the non-NaN operand instead.
@@ -430,21 +575,25 @@ __device__ __forceinline__ float block_nan_max(float v, float* scratch) {
 
 // Full reduction to one value in ONE launch, as eager's reduce kernel: every block writes a
 // partial, the last block to finish (ticket from an atomic counter) combines them and resets the
-// counter for the next launch. `a` is 16-byte aligned.
+// counter for the next launch. `a` is 16-byte aligned. A max of T values is a T value, so the
+// result, held as a float, needs no rounding.
+template <typename T>
 __global__ void __launch_bounds__(reduce_threads)
-    max_reduce_kernel(const float* __restrict__ a, std::int64_t n, float* __restrict__ partials,
+    max_reduce_kernel(const T* __restrict__ a, std::int64_t n, float* __restrict__ partials,
                       unsigned* __restrict__ counter, float* __restrict__ out) {
+  constexpr int N = Vec16<T>::size;
   __shared__ float scratch[reduce_threads / 32];
   __shared__ bool is_last;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * reduce_threads;
   const std::int64_t tid = static_cast<std::int64_t>(blockIdx.x) * reduce_threads + threadIdx.x;
   float m = -INFINITY;
-  const std::int64_t n4 = n / 4;
-  for (std::int64_t i = tid; i < n4; i += stride) {
-    const float4 v = reinterpret_cast<const float4*>(a)[i];
-    m = nan_max(nan_max(m, v.x), nan_max(nan_max(v.y, v.z), v.w));
+  const std::int64_t nv = n / N;
+  for (std::int64_t i = tid; i < nv; i += stride) {
+    const Vec16<T> v = reinterpret_cast<const Vec16<T>*>(a)[i];
+#pragma unroll
+    for (int j = 0; j < N; ++j) m = nan_max(m, to_f32(v.v[j]));
   }
-  for (std::int64_t i = n4 * 4 + tid; i < n; i += stride) m = nan_max(m, a[i]);
+  for (std::int64_t i = nv * N + tid; i < n; i += stride) m = nan_max(m, to_f32(a[i]));
   m = block_nan_max(m, scratch);
   if (threadIdx.x == 0) {
     partials[blockIdx.x] = m;
@@ -463,55 +612,62 @@ __global__ void __launch_bounds__(reduce_threads)
   }
 }
 
+template <typename T>
 unsigned ew_grid(std::int64_t n) {
-  return static_cast<unsigned>(std::max<std::int64_t>(1, (n + 4 * ew_threads - 1) / (4 * ew_threads)));
+  constexpr std::int64_t per_block = std::int64_t{Vec16<T>::size} * ew_threads;
+  return static_cast<unsigned>(std::max<std::int64_t>(1, (n + per_block - 1) / per_block));
 }
 
-template <typename Op>
-void launch_unary(const float* a, float* out, std::int64_t n, Op op, cudaStream_t s) {
-  if (aligned16(a) && aligned16(out) && n % 4 == 0) {
-    unary_kernel<true><<<ew_grid(n), ew_threads, 0, s>>>(a, out, n, op);
+// 16-byte accesses when every buffer is 16-byte aligned and n is a whole number of them.
+template <typename T>
+bool whole_vectors(std::int64_t n) {
+  return n % Vec16<T>::size == 0;
+}
+
+template <typename T, typename Op>
+void launch_unary(const T* a, T* out, std::int64_t n, Op op, cudaStream_t s) {
+  if (aligned16(a) && aligned16(out) && whole_vectors<T>(n)) {
+    unary_kernel<T, true><<<ew_grid<T>(n), ew_threads, 0, s>>>(a, out, n, op);
   } else {
-    unary_kernel<false><<<ew_grid(n), ew_threads, 0, s>>>(a, out, n, op);
+    unary_kernel<T, false><<<ew_grid<T>(n), ew_threads, 0, s>>>(a, out, n, op);
   }
   LAUNCH_CHECK();
 }
 
-template <typename Op>
-void launch_binary(const float* a, const float* b, float* out, std::int64_t n, Op op, cudaStream_t s) {
-  if (aligned16(a) && aligned16(b) && aligned16(out) && n % 4 == 0) {
-    binary_kernel<true><<<ew_grid(n), ew_threads, 0, s>>>(a, b, out, n, op);
+template <typename T, typename Op>
+void launch_binary(const T* a, const T* b, T* out, std::int64_t n, Op op, cudaStream_t s) {
+  if (aligned16(a) && aligned16(b) && aligned16(out) && whole_vectors<T>(n)) {
+    binary_kernel<T, true><<<ew_grid<T>(n), ew_threads, 0, s>>>(a, b, out, n, op);
   } else {
-    binary_kernel<false><<<ew_grid(n), ew_threads, 0, s>>>(a, b, out, n, op);
+    binary_kernel<T, false><<<ew_grid<T>(n), ew_threads, 0, s>>>(a, b, out, n, op);
   }
   LAUNCH_CHECK();
 }
 
-template <typename Op>
-void launch_scalar_rhs(const float* a, const float* scalar, float* out, std::int64_t n, Op op,
-                       cudaStream_t s) {
-  if (aligned16(a) && aligned16(out) && n % 4 == 0) {
-    scalar_rhs_kernel<true><<<ew_grid(n), ew_threads, 0, s>>>(a, scalar, out, n, op);
+template <typename T, typename Op>
+void launch_scalar_rhs(const T* a, const float* scalar, T* out, std::int64_t n, Op op, cudaStream_t s) {
+  if (aligned16(a) && aligned16(out) && whole_vectors<T>(n)) {
+    scalar_rhs_kernel<T, true><<<ew_grid<T>(n), ew_threads, 0, s>>>(a, scalar, out, n, op);
   } else {
-    scalar_rhs_kernel<false><<<ew_grid(n), ew_threads, 0, s>>>(a, scalar, out, n, op);
+    scalar_rhs_kernel<T, false><<<ew_grid<T>(n), ew_threads, 0, s>>>(a, scalar, out, n, op);
   }
   LAUNCH_CHECK();
 }
 
-template <typename Op>
-void launch_row_lhs(const float* r, const float* a, float* out, std::int64_t n, std::int64_t cols,
-                    Op op, cudaStream_t s) {
-  if (aligned16(a) && aligned16(out) && n % 4 == 0 && cols % 4 == 0) {
-    row_lhs_kernel<true><<<ew_grid(n), ew_threads, 0, s>>>(r, a, out, n, cols, op);
+template <typename T, typename Op>
+void launch_row_lhs(const T* r, const T* a, T* out, std::int64_t n, std::int64_t cols, Op op,
+                    cudaStream_t s) {
+  if (aligned16(a) && aligned16(out) && whole_vectors<T>(n) && whole_vectors<T>(cols)) {
+    row_lhs_kernel<T, true><<<ew_grid<T>(n), ew_threads, 0, s>>>(r, a, out, n, cols, op);
   } else {
-    row_lhs_kernel<false><<<ew_grid(n), ew_threads, 0, s>>>(r, a, out, n, cols, op);
+    row_lhs_kernel<T, false><<<ew_grid<T>(n), ew_threads, 0, s>>>(r, a, out, n, cols, op);
   }
   LAUNCH_CHECK();
 }
 
-template <typename Op>
+template <typename T, typename Op>
 void launch_scalar_unary(const float* a, float* out, Op op, cudaStream_t s) {
-  scalar_unary_kernel<<<1, 1, 0, s>>>(a, out, op);
+  scalar_unary_kernel<T><<<1, 1, 0, s>>>(a, out, op);
   LAUNCH_CHECK();
 }
 
@@ -519,16 +675,22 @@ void launch_scalar_unary(const float* a, float* out, Op op, cudaStream_t s) {
 //
 // Row-major out[tokens, D] = mixed[tokens, D] · W[D, D]ᵀ + b as the column-major product
 // outᵀ = W · mixedᵀ: m = out, n = tokens, k = in, A = W (k x m, ld k) transposed, B = mixed
-// (k x n, ld k), C = D = out (m x n, ld m). Default preferences besides the workspace (cuBLASLt
-// then assumes 256-byte-aligned pointers, which every cudaMalloc buffer here is) and the first
-// heuristic result, as a straightforward user of cuBLASLt would do it.
+// (k x n, ld k), C = D = out (m x n, ld m), all in T; fp32 compute (TF32 when asked) and scale.
+// Default preferences besides the workspace (cuBLASLt then assumes 256-byte-aligned pointers,
+// which every cudaMalloc buffer here is) and the first heuristic result, as a straightforward
+// user of cuBLASLt would do it. For 16-bit T the bias is in T and split-K partials may only be
+// reduced in fp32 (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE): qbl::LinearGemm holds itself to that
+// rule, and a floor allowed to sum partials in bf16 could pick algorithms qbl may not.
 
+template <typename T>
 class BareGemm {
  public:
-  BareGemm(std::int64_t in, std::int64_t out, std::int64_t tokens, const float* w, const float* bias)
+  BareGemm(std::int64_t in, std::int64_t out, std::int64_t tokens, const T* w, const T* bias,
+           cublasComputeType_t compute)
       : w_(w), workspace_(gemm_workspace_bytes) {
+    constexpr cudaDataType_t type = cuda_data_type<T>();
     CUBLAS_CHECK(cublasLtCreate(&handle_));
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc_, compute, CUDA_R_32F));
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
@@ -537,15 +699,25 @@ class BareGemm {
                                                 sizeof epilogue));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                 sizeof bias));
+    if (type != CUDA_R_32F) {
+      const std::int32_t bias_type = type;  // nn.Linear's bias is in T too
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                  &bias_type, sizeof bias_type));
+    }
     const auto k = static_cast<std::uint64_t>(in), m = static_cast<std::uint64_t>(out),
                n = static_cast<std::uint64_t>(tokens);
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a_, CUDA_R_32F, k, m, static_cast<std::int64_t>(k)));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b_, CUDA_R_32F, k, n, static_cast<std::int64_t>(k)));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c_, CUDA_R_32F, m, n, static_cast<std::int64_t>(m)));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a_, type, k, m, static_cast<std::int64_t>(k)));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b_, type, k, n, static_cast<std::int64_t>(k)));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c_, type, m, n, static_cast<std::int64_t>(m)));
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref_));
-    const std::size_t ws = gemm_workspace_bytes;
+    const std::uint64_t ws = gemm_workspace_bytes;
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref_, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                       &ws, sizeof ws));
+    if (type != CUDA_R_32F) {
+      const std::uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          pref_, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes));
+    }
     cublasLtMatmulHeuristicResult_t result = {};
     int found = 0;
     CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc_, a_, b_, c_, c_, pref_, 1, &result,
@@ -566,8 +738,8 @@ class BareGemm {
   BareGemm(const BareGemm&) = delete;
   BareGemm& operator=(const BareGemm&) = delete;
 
-  void run(const float* mixed, float* out, cudaStream_t s) {
-    const float one = 1.0f, zero = 0.0f;
+  void run(const T* mixed, T* out, cudaStream_t s) {
+    const float one = 1.0f, zero = 0.0f;  // scale type CUDA_R_32F
     CUBLAS_CHECK(cublasLtMatmul(handle_, desc_, &one, w_, a_, mixed, b_, &zero, out, c_, out, c_,
                                 &algo_, workspace_.as<void>(), gemm_workspace_bytes, s));
   }
@@ -589,7 +761,7 @@ class BareGemm {
   }
 
  private:
-  const float* w_;
+  const T* w_;
   DeviceBuffer workspace_;
   cublasLtHandle_t handle_ = nullptr;
   cublasLtMatmulDesc_t desc_ = nullptr;
@@ -599,19 +771,23 @@ class BareGemm {
 };
 
 // ---- the eager-like chain ----------------------------------------------------------------
+//
+// Every temporary is a T tensor, as in eager; the three 0-dim results (amax, clamped amax, scale)
+// are held as floats on the device, each rounded to T by the op that makes it.
 
+template <typename T>
 class EagerChain {
  public:
-  EagerChain(std::int64_t tokens, std::int64_t d, int sms, BareGemm& gemm)
+  EagerChain(std::int64_t tokens, std::int64_t d, int sms, BareGemm<T>& gemm)
       : tokens_(tokens),
         d_(d),
         n_(tokens * d),
         reduce_blocks_(static_cast<unsigned>(std::max<std::int64_t>(
-            1, std::min<std::int64_t>((n_ / 4 + reduce_threads - 1) / reduce_threads,
+            1, std::min<std::int64_t>((n_ / Vec16<T>::size + reduce_threads - 1) / reduce_threads,
                                       std::int64_t{sms} * 4)))),
         gemm_(gemm) {
-    const std::size_t bytes = static_cast<std::size_t>(n_) * sizeof(float);
-    const std::size_t row_bytes = static_cast<std::size_t>(tokens) * sizeof(float);
+    const std::size_t bytes = static_cast<std::size_t>(n_) * sizeof(T);
+    const std::size_t row_bytes = static_cast<std::size_t>(tokens) * sizeof(T);
     for (DeviceBuffer* b : {&abs_, &div_, &round_, &clamp_, &xq_, &axq_, &omax_, &mixed_}) *b = DeviceBuffer(bytes);
     alpha_ = DeviceBuffer(row_bytes);
     one_minus_alpha_ = DeviceBuffer(row_bytes);
@@ -622,35 +798,35 @@ class EagerChain {
   }
 
   // out = (eager's mixed) · Wᵀ + b, 13 kernels and the GEMM, in eager's order of ops.
-  void run(const float* x, const float* logits, float* out, cudaStream_t s) {
+  void run(const T* x, const T* logits, T* out, cudaStream_t s) {
     float* amax = scalars_.as<float>();
     float* amax_clamped = amax + 1;
     float* scale = amax + 2;
-    launch_unary(x, abs_.as(), n_, AbsOp{}, s);                                    // x.abs()
-    max_reduce_kernel<<<reduce_blocks_, reduce_threads, 0, s>>>(abs_.as(), n_, partials_.as(),
-                                                                counter_.as<unsigned>(), amax);
+    launch_unary(x, abs_.as<T>(), n_, AbsOp{}, s);                                 // x.abs()
+    max_reduce_kernel<T><<<reduce_blocks_, reduce_threads, 0, s>>>(abs_.as<T>(), n_, partials_.as(),
+                                                                   counter_.as<unsigned>(), amax);
     LAUNCH_CHECK();                                                                // .max()
-    launch_scalar_unary(amax, amax_clamped, ClampMinOp{}, s);                     // .clamp(min=1e-8)
-    launch_scalar_unary(amax_clamped, scale, ScaleOp{}, s);                       // / 127.0
-    launch_scalar_rhs(x, scale, div_.as(), n_, DivOp{}, s);                       // x / scale
-    launch_unary(div_.as(), round_.as(), n_, RoundOp{}, s);                       // .round()
-    launch_unary(round_.as(), clamp_.as(), n_, ClampQOp{}, s);                    // .clamp(-127, 127)
-    launch_scalar_rhs(clamp_.as(), scale, xq_.as(), n_, MulOp{}, s);              // * scale
-    launch_unary(logits, alpha_.as(), tokens_, SigmoidOp{}, s);                   // sigmoid(logits)
-    launch_row_lhs(alpha_.as(), xq_.as(), axq_.as(), n_, d_, MulOp{}, s);         // alpha * x_q
-    launch_unary(alpha_.as(), one_minus_alpha_.as(), tokens_, RsubOneOp{}, s);    // 1 - alpha
-    launch_row_lhs(one_minus_alpha_.as(), x, omax_.as(), n_, d_, MulOp{}, s);     // (1 - alpha) * x
-    launch_binary(axq_.as(), omax_.as(), mixed_.as(), n_, AddOp{}, s);            // +
-    gemm_.run(mixed_.as(), out, s);                                               // linear
+    launch_scalar_unary<T>(amax, amax_clamped, ClampMinOp<T>{}, s);                // .clamp(min=1e-8)
+    launch_scalar_unary<T>(amax_clamped, scale, ScaleOp{}, s);                     // / 127.0
+    launch_scalar_rhs(x, scale, div_.as<T>(), n_, DivOp{}, s);                     // x / scale
+    launch_unary(div_.as<T>(), round_.as<T>(), n_, RoundOp{}, s);                  // .round()
+    launch_unary(round_.as<T>(), clamp_.as<T>(), n_, ClampQOp{}, s);               // .clamp(-127, 127)
+    launch_scalar_rhs(clamp_.as<T>(), scale, xq_.as<T>(), n_, MulOp{}, s);         // * scale
+    launch_unary(logits, alpha_.as<T>(), tokens_, SigmoidOp{}, s);                 // sigmoid(logits)
+    launch_row_lhs(alpha_.as<T>(), xq_.as<T>(), axq_.as<T>(), n_, d_, MulOp{}, s); // alpha * x_q
+    launch_unary(alpha_.as<T>(), one_minus_alpha_.as<T>(), tokens_, RsubOneOp{}, s);  // 1 - alpha
+    launch_row_lhs(one_minus_alpha_.as<T>(), x, omax_.as<T>(), n_, d_, MulOp{}, s);   // (1 - alpha) * x
+    launch_binary(axq_.as<T>(), omax_.as<T>(), mixed_.as<T>(), n_, AddOp{}, s);       // +
+    gemm_.run(mixed_.as<T>(), out, s);                                                // linear
   }
 
-  const float* mixed() const { return mixed_.as(); }
-  const float* amax() const { return scalars_.as(); }
+  const T* mixed() const { return mixed_.as<T>(); }
+  const float* amax() const { return scalars_.as<float>(); }
 
  private:
   std::int64_t tokens_, d_, n_;
   unsigned reduce_blocks_;
-  BareGemm& gemm_;
+  BareGemm<T>& gemm_;
   DeviceBuffer abs_, div_, round_, clamp_, xq_, axq_, omax_, mixed_;
   DeviceBuffer alpha_, one_minus_alpha_, scalars_, partials_, counter_;
 };
@@ -745,8 +921,14 @@ enum Item { forward_item, graph_item, amax_item, quant_blend_item, fused_prologu
 const char* const item_names[item_count] = {"forward", "graph", "amax", "quant_blend", "fused_prologue",
                                             "gemm", "bare_gemm", "eager", "copy"};
 
+std::string shape_label(const Shape& s) {
+  return std::to_string(s.b) + "x" + std::to_string(s.t) + "x" + std::to_string(s.d);
+}
+
 struct Row {
   Shape shape{};
+  Dtype dtype = Dtype::fp32;
+  double elem_bytes = 4;  // sizeof(T): every byte count below is in T
   std::int64_t tokens = 0;
   int x_sets = 0, graph_sets = 0;
   Timing t[item_count];
@@ -759,18 +941,21 @@ struct Row {
   double n() const { return static_cast<double>(tokens) * static_cast<double>(shape.d); }
   double ms(Item i) const { return t[i].median_ms; }
   double copy_gbps() const { return 2.0 * copy_bytes / (ms(copy_item) * 1e-3) / 1e9; }
-  double floor_ms() const { return ms(bare_gemm_item) + 2.0 * n() * 4.0 / (copy_gbps() * 1e9) * 1e3; }
+  double floor_ms() const {
+    return ms(bare_gemm_item) + 2.0 * n() * elem_bytes / (copy_gbps() * 1e9) * 1e3;
+  }
   double over_floor(Item i) const { return t[i].valid() ? ms(i) / floor_ms() : NAN; }
-  double prologue_gbps() const { return 3.0 * n() * 4.0 / ((ms(amax_item) + ms(quant_blend_item)) * 1e-3) / 1e9; }
-  double amax_gbps() const { return 4.0 * n() / (ms(amax_item) * 1e-3) / 1e9; }
-  double quant_blend_gbps() const { return 8.0 * n() / (ms(quant_blend_item) * 1e-3) / 1e9; }
+  double prologue_gbps() const {
+    return 3.0 * n() * elem_bytes / ((ms(amax_item) + ms(quant_blend_item)) * 1e-3) / 1e9;
+  }
+  double amax_gbps() const { return n() * elem_bytes / (ms(amax_item) * 1e-3) / 1e9; }
+  double quant_blend_gbps() const { return 2.0 * n() * elem_bytes / (ms(quant_blend_item) * 1e-3) / 1e9; }
   double gemm_tflops() const {
     return 2.0 * n() * static_cast<double>(shape.d) / (ms(bare_gemm_item) * 1e-3) / 1e12;
   }
   double speedup_vs_eager() const { return ms(eager_item) / ms(forward_item); }
-  std::string label() const {
-    return std::to_string(shape.b) + "x" + std::to_string(shape.t) + "x" + std::to_string(shape.d);
-  }
+  std::string label() const { return shape_label(shape); }
+  const char* dtype_label() const { return dtype_name(dtype); }
 };
 
 struct GpuInfo {
@@ -796,7 +981,9 @@ void write_csv(const std::string& path, const GpuInfo& gpu, const std::vector<Ro
     std::fprintf(stderr, "qbl_bench: cannot write %s: %s\n", path.c_str(), std::strerror(errno));
     std::exit(1);
   }
-  std::fprintf(f, "gpu,sms,l2_bytes,driver,runtime,B,T,D,tokens,x_sets,graph_sets");
+  // dtype follows the shape (B, T, D); every other column keeps its name, so readers that pick
+  // columns by name (plot.py) still work.
+  std::fprintf(f, "gpu,sms,l2_bytes,driver,runtime,B,T,D,dtype,tokens,x_sets,graph_sets");
   for (int i = 0; i < item_count; ++i) {
     std::fprintf(f, ",%s_ms,%s_min_ms,%s_runs", item_names[i], item_names[i], item_names[i]);
   }
@@ -807,10 +994,10 @@ void write_csv(const std::string& path, const GpuInfo& gpu, const std::vector<Ro
                "mixed_bit_equal,amax_bit_equal,out_bit_equal,out_max_rel_diff,graph_bit_equal,"
                "bare_gemm_algo\n");
   for (const Row& r : rows) {
-    std::fprintf(f, "\"%s\",%d,%d,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%d,%d",
+    std::fprintf(f, "\"%s\",%d,%d,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%s,%" PRId64 ",%d,%d",
                  gpu.name.c_str(), gpu.sms, gpu.l2_bytes, version_string(gpu.driver).c_str(),
-                 version_string(gpu.runtime).c_str(), r.shape.b, r.shape.t, r.shape.d, r.tokens,
-                 r.x_sets, r.graph_sets);
+                 version_string(gpu.runtime).c_str(), r.shape.b, r.shape.t, r.shape.d,
+                 r.dtype_label(), r.tokens, r.x_sets, r.graph_sets);
     for (int i = 0; i < item_count; ++i) {
       if (r.t[i].valid()) {
         std::fprintf(f, ",%.6g,%.6g,%d", r.t[i].median_ms, r.t[i].min_ms, r.t[i].runs);
@@ -841,6 +1028,7 @@ struct Column {
 
 const Column columns[] = {
     {"shape", [](const Row& r) { return r.label(); }},
+    {"dtype", [](const Row& r) { return std::string(r.dtype_label()); }},
     {"tokens", [](const Row& r) { return std::to_string(r.tokens); }},
     {"D", [](const Row& r) { return std::to_string(r.shape.d); }},
     {"fwd ms", [](const Row& r) { return fmt("%.4f", r.ms(forward_item)); }},
@@ -865,6 +1053,7 @@ const Column columns[] = {
     {"eager/fwd", [](const Row& r) { return fmt("%.2f", r.speedup_vs_eager()); }},
 };
 constexpr int column_count = static_cast<int>(sizeof columns / sizeof columns[0]);
+constexpr int text_columns = 2;  // shape and dtype, left-aligned; the numbers right-aligned
 
 std::string gpu_line(const GpuInfo& g) {
   char buf[512];
@@ -889,12 +1078,14 @@ void print_table(const std::vector<Row>& rows) {
     }
   }
   for (int c = 0; c < column_count; ++c) {
-    std::printf(c == 0 ? "%-*s" : "  %*s", static_cast<int>(width[c]), columns[c].header);
+    std::printf(c == 0 ? "%-*s" : (c < text_columns ? "  %-*s" : "  %*s"), static_cast<int>(width[c]),
+                columns[c].header);
   }
   std::printf("\n");
   for (const auto& row : cells) {
     for (int c = 0; c < column_count; ++c) {
-      std::printf(c == 0 ? "%-*s" : "  %*s", static_cast<int>(width[c]), row[static_cast<std::size_t>(c)].c_str());
+      std::printf(c == 0 ? "%-*s" : (c < text_columns ? "  %-*s" : "  %*s"), static_cast<int>(width[c]),
+                  row[static_cast<std::size_t>(c)].c_str());
     }
     std::printf("\n");
   }
@@ -906,45 +1097,63 @@ void write_md(const std::string& path, const GpuInfo& gpu, const Args& args, con
     std::fprintf(stderr, "qbl_bench: cannot write %s: %s\n", path.c_str(), std::strerror(errno));
     std::exit(1);
   }
-  std::fprintf(f, "# qbl_bench, fp32\n\n%s\n\n", gpu_line(gpu).c_str());
+  std::string dtypes;
+  for (Dtype d : args.dtypes) dtypes += std::string(dtypes.empty() ? "" : ", ") + dtype_name(d);
+  std::fprintf(f, "# qbl_bench, %s\n\n%s\n\n", dtypes.c_str(), gpu_line(gpu).c_str());
   std::fprintf(f,
                "Median of per-run CUDA-event times (>= %d runs and >= %.0f ms per item), inputs "
-               "rotating over >= 3 x L2. floor = bare cuBLASLt GEMM+bias + 2*tokens*D*4 B at copy "
-               "bandwidth. prol GB/s = 3*tokens*D*4 B / (amax + quant_blend). fused = "
-               "qbl::amax_quant_blend, the prologue as forward() issues it (one single-block launch "
-               "up to 2^15 elements).\n\n",
+               "rotating over >= 3 x L2. fp32: float tensors, fp32 GEMMs; tf32: float tensors, both "
+               "GEMMs in CUBLAS_COMPUTE_32F_FAST_TF32; bf16 / fp16: every tensor in the dtype, GEMMs "
+               "with fp32 accumulation. Byte counts use the element size E (4 for fp32 and tf32, 2 "
+               "for bf16 and fp16): floor = bare cuBLASLt GEMM+bias + 2*tokens*D*E B at copy "
+               "bandwidth (copy measured once per shape). prol GB/s = 3*tokens*D*E B / (amax + "
+               "quant_blend). fused = qbl::amax_quant_blend, the prologue as forward() issues it "
+               "(one single-block launch up to 2^15 elements).\n\n",
                args.reps, args.min_ms);
   for (int c = 0; c < column_count; ++c) std::fprintf(f, "| %s ", columns[c].header);
   std::fprintf(f, "|\n");
-  for (int c = 0; c < column_count; ++c) std::fprintf(f, c == 0 ? "| --- " : "| ---: ");
+  for (int c = 0; c < column_count; ++c) std::fprintf(f, c < text_columns ? "| --- " : "| ---: ");
   std::fprintf(f, "|\n");
   for (const Row& r : rows) {
     for (int c = 0; c < column_count; ++c) std::fprintf(f, "| %s ", columns[c].cell(r).c_str());
     std::fprintf(f, "|\n");
   }
-  std::fprintf(f, "\n| shape | mixed bit-equal | amax bit-equal | out max rel diff | out bit-equal | bare GEMM algo |\n");
-  std::fprintf(f, "| --- | --- | --- | ---: | --- | --- |\n");
+  std::fprintf(f, "\n| shape | dtype | mixed bit-equal | amax bit-equal | out max rel diff | out bit-equal | bare GEMM algo |\n");
+  std::fprintf(f, "| --- | --- | --- | --- | ---: | --- | --- |\n");
   for (const Row& r : rows) {
-    std::fprintf(f, "| %s | %s | %s | %.3g | %s | %s |\n", r.label().c_str(), r.mixed_bit_equal ? "yes" : "no",
-                 r.amax_bit_equal ? "yes" : "no", r.out_max_rel_diff, r.out_bit_equal ? "yes" : "no",
-                 r.bare_algo.c_str());
+    std::fprintf(f, "| %s | %s | %s | %s | %.3g | %s | %s |\n", r.label().c_str(), r.dtype_label(),
+                 r.mixed_bit_equal ? "yes" : "no", r.amax_bit_equal ? "yes" : "no", r.out_max_rel_diff,
+                 r.out_bit_equal ? "yes" : "no", r.bare_algo.c_str());
   }
   std::fclose(f);
   std::printf("wrote %s\n", path.c_str());
 }
 
 // ---- one shape -------------------------------------------------------------------------------
+// ---- one shape, one dtype ---------------------------------------------------------------------
 
-Row bench_shape(const Shape& shape, const GpuInfo& gpu, const Args& args, cudaStream_t stream,
-                RunTimer& timer, const DeviceBuffer& copy_src, const DeviceBuffer& copy_dst) {
+void report(const char* dtype, Item i, const Timing& t) {
+  std::printf("  %-4s %-15s median %9.4f ms  min %9.4f ms  (%d runs)\n", dtype, item_names[i],
+              t.median_ms, t.min_ms, t.runs);
+  std::fflush(stdout);
+}
+
+// Everything for one shape in element type T; `dtype` tells fp32 from tf32 when T is float.
+// `copy` is this shape's copy measurement, shared by its dtypes.
+template <typename T>
+Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args& args,
+                cudaStream_t stream, RunTimer& timer, const Timing& copy, std::size_t copy_bytes) {
+  static_assert(is_element_type<T>, "T is float, __nv_bfloat16 or __half");
   Row row;
   row.shape = shape;
+  row.dtype = dtype;
+  row.elem_bytes = sizeof(T);
+  const char* dt = row.dtype_label();
   const std::int64_t tokens = shape.b * shape.t, d = shape.d, n = tokens * d;
   row.tokens = tokens;
-  const std::size_t x_bytes = static_cast<std::size_t>(n) * sizeof(float);
-  const std::size_t logits_bytes = static_cast<std::size_t>(tokens) * sizeof(float);
-  std::printf("\n== shape %s: tokens %" PRId64 ", D %" PRId64 " (x %.2f MiB)\n", row.label().c_str(),
-              tokens, d, x_bytes / 1048576.0);
+  const std::size_t x_bytes = static_cast<std::size_t>(n) * sizeof(T);
+  const std::size_t logits_bytes = static_cast<std::size_t>(tokens) * sizeof(T);
+  std::printf("-- %s %s: x %.2f MiB\n", row.label().c_str(), dt, x_bytes / 1048576.0);
 
   // Rotating input sets: K * bytes(x) >= 3 x L2 (and at least 2), within the rotation cap.
   // Each set starts on a 256-byte boundary, like a fresh cudaMalloc.
@@ -953,46 +1162,55 @@ Row bench_shape(const Shape& shape, const GpuInfo& gpu, const Args& args, cudaSt
   sets = std::max<std::size_t>(1, std::min(sets, rotation_cap_bytes / (x_stride + l_stride)));
   row.x_sets = static_cast<int>(sets);
   DeviceBuffer x_sets(sets * x_stride), logit_sets(sets * l_stride);
-  auto x_of = [&](std::size_t k) { return reinterpret_cast<const float*>(x_sets.as<char>() + (k % sets) * x_stride); };
+  auto x_of = [&](std::size_t k) { return reinterpret_cast<const T*>(x_sets.as<char>() + (k % sets) * x_stride); };
   auto logits_of = [&](std::size_t k) {
-    return reinterpret_cast<const float*>(logit_sets.as<char>() + (k % sets) * l_stride);
+    return reinterpret_cast<const T*>(logit_sets.as<char>() + (k % sets) * l_stride);
   };
 
-  DeviceBuffer w(static_cast<std::size_t>(d * d) * sizeof(float)), bias(static_cast<std::size_t>(d) * sizeof(float));
+  DeviceBuffer w(static_cast<std::size_t>(d * d) * sizeof(T)), bias(static_cast<std::size_t>(d) * sizeof(T));
   DeviceBuffer out_fwd(x_bytes), out_chain(x_bytes), out_scratch(x_bytes);
   DeviceBuffer mixed_ready(x_bytes), mixed_scratch(x_bytes);
   DeviceBuffer amax_sets(sets * sizeof(float)), stats_scratch(2 * sizeof(float));
-  float* amax_scratch = stats_scratch.as();
+  float* amax_scratch = stats_scratch.as<float>();
   float* scale_scratch = amax_scratch + 1;
 
   const float bound = 1.0f / std::sqrt(static_cast<float>(d));
-  fill_randn(x_sets.as(), static_cast<std::int64_t>(x_sets.bytes() / sizeof(float)), 1, 1.0f, gpu.sms, stream);
-  fill_randn(logit_sets.as(), static_cast<std::int64_t>(logit_sets.bytes() / sizeof(float)), 2, 1.0f, gpu.sms, stream);
-  fill_uniform(w.as(), d * d, 3, bound, gpu.sms, stream);
-  fill_uniform(bias.as(), d, 4, bound, gpu.sms, stream);
+  fill_randn(x_sets.as<T>(), static_cast<std::int64_t>(x_sets.bytes() / sizeof(T)), 1, 1.0f, gpu.sms, stream);
+  fill_randn(logit_sets.as<T>(), static_cast<std::int64_t>(logit_sets.bytes() / sizeof(T)), 2, 1.0f, gpu.sms, stream);
+  fill_uniform(w.as<T>(), d * d, 3, bound, gpu.sms, stream);
+  fill_uniform(bias.as<T>(), d, 4, bound, gpu.sms, stream);
   CUDA_CHECK(cudaStreamSynchronize(stream));
 
-  qbl::QuantBlendLinear<float> layer(d, d, tokens);
-  qbl::LinearGemm<float> gemm(d, d, tokens);
+  const bool tf32 = dtype == Dtype::tf32;
+  qbl::Options options;
+  options.allow_tf32 = tf32;
+  qbl::QuantBlendLinear<T> layer(d, d, tokens, options);
+  // The `gemm` item is the autotuned LinearGemm: gemm/bare is what Options::autotune gains over
+  // cuBLASLt's first choice (which the default forward and the bare GEMM both run).
+  qbl::Options tuned = options;
+  tuned.autotune = true;
+  qbl::LinearGemm<T> gemm(d, d, tokens, tuned);
   DeviceBuffer gemm_ws(gemm.workspace_bytes());
-  BareGemm bare(d, d, tokens, w.as(), bias.as());
-  EagerChain chain(tokens, d, gpu.sms, bare);
+  BareGemm<T> bare(d, d, tokens, w.as<T>(), bias.as<T>(),
+                   tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F);
+  EagerChain<T> chain(tokens, d, gpu.sms, bare);
   row.bare_algo = bare.describe();
   // What construction-time autotuning measured for this token count (bias epilogue).
-  for (const qbl::GemmTuning& r : layer.gemm().tuning()) {
+  for (const qbl::GemmTuning& r : gemm.tuning()) {
     if (r.tokens == tokens && r.bias) {
-      std::printf("  autotune: %d candidates, cuBLASLt's first %.4f ms, chosen #%d %.4f ms (%.1f%% faster); %s\n",
-                  r.candidates, r.first_ms, r.chosen, r.chosen_ms,
-                  100.0 * (r.first_ms - r.chosen_ms) / r.first_ms, layer.gemm().describe(tokens, true).c_str());
+      std::printf("  %-4s autotune: %d candidates, cuBLASLt's first %.4f ms, chosen #%d %.4f ms (%.1f%% faster); %s\n",
+                  dt, r.candidates, r.first_ms, r.chosen, r.chosen_ms,
+                  100.0 * (r.first_ms - r.chosen_ms) / r.first_ms, gemm.describe(tokens, true).c_str());
     }
   }
 
   // ---- sanity check on set 0 ----
-  layer.forward(x_of(0), logits_of(0), w.as(), bias.as(), out_fwd.as(), tokens, stream);
-  chain.run(x_of(0), logits_of(0), out_chain.as(), stream);
+  layer.forward(x_of(0), logits_of(0), w.as<T>(), bias.as<T>(), out_fwd.as<T>(), tokens, stream);
+  chain.run(x_of(0), logits_of(0), out_chain.as<T>(), stream);
   CUDA_CHECK(cudaStreamSynchronize(stream));
   {
-    std::vector<float> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n));
+    // Raw elements of T: bit-equality is a comparison of bytes, whatever T is.
+    std::vector<T> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n));
     CUDA_CHECK(cudaMemcpy(a.data(), layer.device_mixed(), x_bytes, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(b.data(), chain.mixed(), x_bytes, cudaMemcpyDeviceToHost));
     row.mixed_bit_equal = std::memcmp(a.data(), b.data(), x_bytes) == 0;
@@ -1000,28 +1218,29 @@ Row bench_shape(const Shape& shape, const GpuInfo& gpu, const Args& args, cudaSt
     CUDA_CHECK(cudaMemcpy(&amax_a, layer.device_amax(), sizeof(float), cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(&amax_b, chain.amax(), sizeof(float), cudaMemcpyDeviceToHost));
     row.amax_bit_equal = std::memcmp(&amax_a, &amax_b, sizeof(float)) == 0;
-    CUDA_CHECK(cudaMemcpy(a.data(), out_fwd.as(), x_bytes, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(b.data(), out_chain.as(), x_bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(a.data(), out_fwd.as<T>(), x_bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(b.data(), out_chain.as<T>(), x_bytes, cudaMemcpyDeviceToHost));
     row.out_bit_equal = std::memcmp(a.data(), b.data(), x_bytes) == 0;
     // Relative to the largest |out| of the reference: elementwise relative error is meaningless
     // for outputs that cancel to ~0. A NaN anywhere makes the result NaN.
     double max_diff = 0.0, max_ref = 0.0;
     for (std::size_t i = 0; i < a.size(); ++i) {
-      const double diff = std::fabs(static_cast<double>(a[i]) - b[i]);
+      const double ref = to_f32(b[i]);
+      const double diff = std::fabs(static_cast<double>(to_f32(a[i])) - ref);
       max_diff = std::isnan(diff) ? NAN : std::max(max_diff, diff);
-      max_ref = std::max(max_ref, std::fabs(static_cast<double>(b[i])));
+      max_ref = std::max(max_ref, std::fabs(ref));
       if (std::isnan(max_diff)) break;
     }
     row.out_max_rel_diff = max_ref > 0.0 ? max_diff / max_ref : max_diff;
-    std::printf("  check: amax %.6g, mixed bit-equal to eager chain: %s, amax bit-equal: %s, out max rel "
+    std::printf("  %-4s check: amax %.6g, mixed bit-equal to eager chain: %s, amax bit-equal: %s, out max rel "
                 "diff %.3g (max|diff| / max|ref|), out bit-equal: %s\n",
-                amax_a, row.mixed_bit_equal ? "yes" : "no", row.amax_bit_equal ? "yes" : "no",
+                dt, amax_a, row.mixed_bit_equal ? "yes" : "no", row.amax_bit_equal ? "yes" : "no",
                 row.out_max_rel_diff, row.out_bit_equal ? "yes" : "no");
-    std::printf("  bare GEMM algo: %s; x sets: %d (%.1f MiB)\n", row.bare_algo.c_str(), row.x_sets,
+    std::printf("  %-4s bare GEMM algo: %s; x sets: %d (%.1f MiB)\n", dt, row.bare_algo.c_str(), row.x_sets,
                 x_sets.bytes() / 1048576.0);
   }
-  CUDA_CHECK(cudaMemcpyAsync(mixed_ready.as(), layer.device_mixed(), x_bytes, cudaMemcpyDeviceToDevice, stream));
-  for (std::size_t k = 0; k < sets; ++k) CUDA_CHECK(qbl::amax(x_of(k), n, amax_sets.as() + k, stream));
+  CUDA_CHECK(cudaMemcpyAsync(mixed_ready.as<T>(), layer.device_mixed(), x_bytes, cudaMemcpyDeviceToDevice, stream));
+  for (std::size_t k = 0; k < sets; ++k) CUDA_CHECK(qbl::amax(x_of(k), n, amax_sets.as<float>() + k, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));
 
   // ---- CUDA graph of the forward, one per input set (a graph's pointers are fixed) ----
@@ -1033,7 +1252,7 @@ Row bench_shape(const Shape& shape, const GpuInfo& gpu, const Args& args, cudaSt
       cudaGraph_t g = nullptr;
       cudaGraphExec_t exec = nullptr;
       CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      layer.forward(x_of(k), logits_of(k), w.as(), bias.as(), out_scratch.as(), tokens, stream);
+      layer.forward(x_of(k), logits_of(k), w.as<T>(), bias.as<T>(), out_scratch.as<T>(), tokens, stream);
       CUDA_CHECK(cudaStreamEndCapture(stream, &g));
       CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
       CUDA_CHECK(cudaGraphDestroy(g));
@@ -1043,71 +1262,72 @@ Row bench_shape(const Shape& shape, const GpuInfo& gpu, const Args& args, cudaSt
     // The replay of set 0 must reproduce the direct forward bit for bit.
     CUDA_CHECK(cudaGraphLaunch(graphs[0], stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
-    std::vector<float> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n));
-    CUDA_CHECK(cudaMemcpy(a.data(), out_scratch.as(), x_bytes, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(b.data(), out_fwd.as(), x_bytes, cudaMemcpyDeviceToHost));
+    std::vector<T> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n));
+    CUDA_CHECK(cudaMemcpy(a.data(), out_scratch.as<T>(), x_bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(b.data(), out_fwd.as<T>(), x_bytes, cudaMemcpyDeviceToHost));
     row.graph_bit_equal = std::memcmp(a.data(), b.data(), x_bytes) == 0;
-    std::printf("  graph: %zu instantiated, replay of set 0 bit-equal to forward: %s\n", g_count,
+    std::printf("  %-4s graph: %zu instantiated, replay of set 0 bit-equal to forward: %s\n", dt, g_count,
                 row.graph_bit_equal ? "yes" : "no");
   }
 
   // ---- timing ----
-  auto report = [&](Item i) {
-    std::printf("  %-15s median %9.4f ms  min %9.4f ms  (%d runs)\n", item_names[i], row.t[i].median_ms,
-                row.t[i].min_ms, row.t[i].runs);
-    std::fflush(stdout);
+  auto measure = [&](Item i, auto&& run_once) {
+    row.t[i] = timer.measure(run_once);
+    report(dt, i, row.t[i]);
   };
-  row.copy_bytes = static_cast<double>(copy_src.bytes());
-  row.t[copy_item] = timer.measure([&](int) {
-    CUDA_CHECK(cudaMemcpyAsync(copy_dst.as<void>(), copy_src.as<void>(), copy_src.bytes(),
-                               cudaMemcpyDeviceToDevice, stream));
-  });
-  report(copy_item);
-  row.t[bare_gemm_item] = timer.measure([&](int) { bare.run(mixed_ready.as(), out_scratch.as(), stream); });
-  report(bare_gemm_item);
-  row.t[gemm_item] = timer.measure([&](int) {
-    CUBLAS_CHECK(gemm.run(mixed_ready.as(), w.as(), bias.as(), out_scratch.as(), tokens,
+  row.copy_bytes = static_cast<double>(copy_bytes);
+  row.t[copy_item] = copy;
+  measure(bare_gemm_item, [&](int) { bare.run(mixed_ready.as<T>(), out_scratch.as<T>(), stream); });
+  measure(gemm_item, [&](int) {
+    CUBLAS_CHECK(gemm.run(mixed_ready.as<T>(), w.as<T>(), bias.as<T>(), out_scratch.as<T>(), tokens,
                           gemm_ws.as<void>(), stream));
   });
-  report(gemm_item);
-  row.t[amax_item] = timer.measure([&](int i) { CUDA_CHECK(qbl::amax(x_of(static_cast<std::size_t>(i)), n, amax_scratch, stream)); });
-  report(amax_item);
-  row.t[quant_blend_item] = timer.measure([&](int i) {
+  measure(amax_item, [&](int i) { CUDA_CHECK(qbl::amax(x_of(static_cast<std::size_t>(i)), n, amax_scratch, stream)); });
+  measure(quant_blend_item, [&](int i) {
     const auto k = static_cast<std::size_t>(i) % sets;
-    CUDA_CHECK(qbl::quant_blend(x_of(k), logits_of(k), amax_sets.as() + k, mixed_scratch.as(), tokens, d,
-                                scale_scratch, stream));
+    CUDA_CHECK(qbl::quant_blend(x_of(k), logits_of(k), amax_sets.as<float>() + k, mixed_scratch.as<T>(),
+                                tokens, d, scale_scratch, stream));
   });
-  report(quant_blend_item);
-  row.t[fused_prologue_item] = timer.measure([&](int i) {
+  measure(fused_prologue_item, [&](int i) {
     const auto k = static_cast<std::size_t>(i);
-    CUDA_CHECK(qbl::amax_quant_blend(x_of(k), logits_of(k), mixed_scratch.as(), tokens, d, amax_scratch,
+    CUDA_CHECK(qbl::amax_quant_blend(x_of(k), logits_of(k), mixed_scratch.as<T>(), tokens, d, amax_scratch,
                                      scale_scratch, stream));
   });
-  report(fused_prologue_item);
-  row.t[forward_item] = timer.measure([&](int i) {
+  measure(forward_item, [&](int i) {
     const auto k = static_cast<std::size_t>(i);
-    layer.forward(x_of(k), logits_of(k), w.as(), bias.as(), out_fwd.as(), tokens, stream);
+    layer.forward(x_of(k), logits_of(k), w.as<T>(), bias.as<T>(), out_fwd.as<T>(), tokens, stream);
   });
-  report(forward_item);
   if (!graphs.empty()) {
-    row.t[graph_item] = timer.measure([&](int i) {
+    measure(graph_item, [&](int i) {
       CUDA_CHECK(cudaGraphLaunch(graphs[static_cast<std::size_t>(i) % graphs.size()], stream));
     });
-    report(graph_item);
   }
-  row.t[eager_item] = timer.measure([&](int i) {
+  measure(eager_item, [&](int i) {
     const auto k = static_cast<std::size_t>(i);
-    chain.run(x_of(k), logits_of(k), out_chain.as(), stream);
+    chain.run(x_of(k), logits_of(k), out_chain.as<T>(), stream);
   });
-  report(eager_item);
 
   CUDA_CHECK(cudaStreamSynchronize(stream));
   for (cudaGraphExec_t g : graphs) CUDA_CHECK(cudaGraphExecDestroy(g));  // before `layer` goes
-  std::printf("  copy %.0f GB/s, floor %.4f ms, forward/floor %.3f, eager/forward %.2f; device memory "
+  std::printf("  %-4s copy %.0f GB/s, floor %.4f ms, forward/floor %.3f, eager/forward %.2f; device memory "
               "held by the harness %.2f GiB\n",
-              row.copy_gbps(), row.floor_ms(), row.over_floor(forward_item), row.speedup_vs_eager(),
+              dt, row.copy_gbps(), row.floor_ms(), row.over_floor(forward_item), row.speedup_vs_eager(),
               g_allocated_bytes / (1024.0 * 1048576.0));
   return row;
+}
+
+Row bench_dtype(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args& args,
+                cudaStream_t stream, RunTimer& timer, const Timing& copy, std::size_t copy_bytes) {
+  switch (dtype) {
+    case Dtype::fp32:
+    case Dtype::tf32:
+      return bench_shape<float>(shape, dtype, gpu, args, stream, timer, copy, copy_bytes);
+    case Dtype::bf16:
+      return bench_shape<__nv_bfloat16>(shape, dtype, gpu, args, stream, timer, copy, copy_bytes);
+    case Dtype::fp16:
+      return bench_shape<__half>(shape, dtype, gpu, args, stream, timer, copy, copy_bytes);
+  }
+  die("bench_dtype", "unknown dtype", __FILE__, __LINE__);
 }
 
 int run(const Args& args) {
@@ -1134,9 +1354,11 @@ int run(const Args& args) {
   CUDA_CHECK(cudaRuntimeGetVersion(&gpu.runtime));
   gpu.cublaslt = cublasLtGetVersion();
   std::printf("%s\n", gpu_line(gpu).c_str());
+  std::string dtypes;
+  for (Dtype d : args.dtypes) dtypes += std::string(dtypes.empty() ? "" : ",") + dtype_name(d);
   std::printf("timing: median of per-run event times, >= %d runs and >= %.0f ms per item (at most %d "
-              "runs); copy %zu MiB\n",
-              args.reps, args.min_ms, args.max_runs, args.copy_mib);
+              "runs); copy %zu MiB; dtypes %s\n",
+              args.reps, args.min_ms, args.max_runs, args.copy_mib, dtypes.c_str());
 
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -1144,19 +1366,35 @@ int run(const Args& args) {
   {
     RunTimer timer(stream, args.min_ms, args.reps, args.max_runs);
     DeviceBuffer copy_src(args.copy_mib * mib), copy_dst(args.copy_mib * mib);
-    fill_randn(copy_src.as(), static_cast<std::int64_t>(copy_src.bytes() / sizeof(float)), 5, 1.0f, gpu.sms, stream);
+    fill_randn(copy_src.as<float>(), static_cast<std::int64_t>(copy_src.bytes() / sizeof(float)), 5, 1.0f,
+               gpu.sms, stream);
     CUDA_CHECK(cudaStreamSynchronize(stream));
     for (int idx : args.shapes) {
-      rows.push_back(bench_shape(shape_table[idx], gpu, args, stream, timer, copy_src, copy_dst));
+      const Shape& shape = shape_table[idx];
+      std::printf("\n== shape %s: tokens %" PRId64 ", D %" PRId64 "\n", shape_label(shape).c_str(),
+                  shape.b * shape.t, shape.d);
+      // Once per shape, shared by its dtypes: their floors then divide by the same bandwidth.
+      const Timing copy = timer.measure([&](int) {
+        CUDA_CHECK(cudaMemcpyAsync(copy_dst.as<void>(), copy_src.as<void>(), copy_src.bytes(),
+                                   cudaMemcpyDeviceToDevice, stream));
+      });
+      report("all", copy_item, copy);
+      for (Dtype dtype : args.dtypes) {
+        rows.push_back(bench_dtype(shape, dtype, gpu, args, stream, timer, copy, copy_src.bytes()));
+      }
     }
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
 
   std::printf("\n%s\n", gpu_line(gpu).c_str());
   print_table(rows);
-  bool all_equal = true;
-  for (const Row& r : rows) all_equal = all_equal && r.mixed_bit_equal;
-  std::printf("mixed bit-equal to the eager chain on every shape: %s\n", all_equal ? "yes" : "NO");
+  std::string unequal;  // "shape dtype" of every row whose mixed differs from the chain's
+  for (const Row& r : rows) {
+    if (r.mixed_bit_equal) continue;
+    unequal += std::string(unequal.empty() ? "" : ", ") + r.label() + " " + r.dtype_label();
+  }
+  std::printf("mixed bit-equal to the eager chain on every shape and dtype: %s\n",
+              unequal.empty() ? "yes" : ("NO (" + unequal + ")").c_str());
   if (!args.csv_path.empty()) write_csv(args.csv_path, gpu, rows);
   if (!args.md_path.empty()) write_md(args.md_path, gpu, args, rows);
   return 0;

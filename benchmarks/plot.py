@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plot qbl_bench results: time over the floor, per shape.
+"""Plot qbl_bench results: time over the floor, per shape, one panel per dtype.
 
     python3 benchmarks/plot.py results.csv out.png
 
@@ -33,30 +33,15 @@ def number(row, key):
     return v if math.isfinite(v) else None
 
 
-def main(argv):
-    if len(argv) != 3:
-        print(__doc__.strip(), file=sys.stderr)
-        return 2
-    csv_path, png_path = argv[1], argv[2]
-    with open(csv_path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        print(f"plot.py: no rows in {csv_path}", file=sys.stderr)
-        return 1
-
+def plot_panel(ax, rows, dtype):
     labels = [f"{r['B']}x{r['T']}x{r['D']}" for r in rows]
     forward = [number(r, "forward_over_floor") for r in rows]
     eager = [number(r, "eager_over_floor") for r in rows]
     graph = [number(r, "graph_over_floor") for r in rows]
-    has_graph = any(g is not None for g in graph)
-    gpu = (rows[0].get("gpu") or "").strip()
-
     series = [("forward / floor", forward, "tab:blue"), ("eager chain / floor", eager, "tab:red")]
-    if has_graph:
+    if any(g is not None for g in graph):
         series.insert(1, ("graph replay / floor", graph, "tab:green"))
     width = 0.8 / len(series)
-
-    fig, ax = plt.subplots(figsize=(max(8.0, 1.3 * len(rows) + 3.0), 5.5))
     for s, (name, values, color) in enumerate(series):
         xs = [i + (s - (len(series) - 1) / 2) * width for i in range(len(rows))]
         present = [(x, v) for x, v in zip(xs, values) if v is not None]
@@ -78,15 +63,39 @@ def main(argv):
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.axhline(1.0, color="black", linewidth=1.0, label="floor (1.0)")
     ax.axhline(1.10, color="gray", linewidth=1.0, linestyle="--", label="1.10 x floor")
-
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, rotation=20)
     ax.set_xlabel("shape B x T x D (tokens = B*T, in = out = D)")
     ax.set_ylabel("time / floor (lower is better)")
-    title = "qbl fp32 QuantBlendLinear: time over the floor (bare GEMM + one x read, one write)"
-    ax.set_title(f"{title}\n{gpu}" if gpu else title, fontsize=10)
+    ax.set_title(dtype, fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3, which="both")
+
+
+def main(argv):
+    if len(argv) != 3:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    csv_path, png_path = argv[1], argv[2]
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        print(f"plot.py: no rows in {csv_path}", file=sys.stderr)
+        return 1
+
+    gpu = (rows[0].get("gpu") or "").strip()
+    dtypes = []
+    for r in rows:
+        r.setdefault("dtype", "fp32")
+        if r["dtype"] not in dtypes:
+            dtypes.append(r["dtype"])
+    shapes = max(sum(1 for r in rows if r["dtype"] == d) for d in dtypes)
+    fig, axes = plt.subplots(len(dtypes), 1, squeeze=False,
+                             figsize=(max(8.0, 1.3 * shapes + 3.0), 4.6 * len(dtypes)))
+    for ax, dtype in zip(axes[:, 0], dtypes):
+        plot_panel(ax, [r for r in rows if r["dtype"] == dtype], dtype)
+    title = "qbl QuantBlendLinear: time over the floor (bare GEMM + one x read, one mixed write)"
+    fig.suptitle(f"{title}\n{gpu}" if gpu else title, fontsize=10)
     fig.tight_layout()
     fig.savefig(png_path, dpi=150)
     print(f"wrote {png_path}")
