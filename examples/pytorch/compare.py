@@ -257,9 +257,9 @@ def api_checks(ext, checks, dtype):
         got = info[0]["max_tokens"] if len(info) == 1 else None
         checks.check(got == cap and close(yy, rr),
                      f"cache growth at {tokens} tokens", f"max_tokens {got}, expected {cap}")
-    cached = ext.get_cached_layer(dev.index, d, dout)
+    cached = ext.get_cached_layer(dev.index, d, dout, dtype)
     checks.check(cached is not None and cached.max_tokens == 32, "get_cached_layer")
-    checks.check(ext.get_cached_layer(dev.index, d + 1, dout) is None, "get_cached_layer miss")
+    checks.check(ext.get_cached_layer(dev.index, d + 1, dout, dtype) is None, "get_cached_layer miss")
     ext.clear_cache()
     checks.check(len(ext.cache_info()) == 0, "clear_cache")
 
