@@ -366,13 +366,14 @@ TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
     const std::vector<float> got = qbl_test::widen(out);
     for (std::size_t i = 0; i < got.size(); ++i) ASSERT_FALSE(std::isnan(got[i])) << "unwritten or NaN " << i;
     const auto want = qbl_test::linear_reference(want_mixed, wf, sh.bias ? bf.data() : nullptr, sh.tokens, sh.in, sh.out);
-    // No worse than the exact product rounded to T (what eager's own GEMM can at best deliver),
-    // give or take fp32 accumulation.
+    // Within two roundings of the exact product to T: some bf16 cuBLASLt algorithms with the bias
+    // epilogue measured up to 1.65x the error of one rounding on the H200 (eager's F.linear runs
+    // the same algorithms).
     std::vector<float> rounded(want.size());
     for (std::size_t i = 0; i < want.size(); ++i) rounded[i] = qbl::detail::round_to<T>(static_cast<float>(want[i]));
     const double best = qbl_test::relative_error(rounded, want);
     const double err = qbl_test::relative_error(got, want);
-    EXPECT_LE(err, 1.5 * best + 1e-6) << "best possible " << best;
+    EXPECT_LE(err, 2.5 * best + 1e-6) << "one rounding of the exact product: " << best;
     EXPECT_LT(err, out_tolerance<T>());
   }
   std::printf("[ %s ] shapes on the fallback GEMM: %d of 7\n", std::is_same_v<T, __half> ? "fp16" : "bf16", fallback);

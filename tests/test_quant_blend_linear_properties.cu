@@ -103,8 +103,8 @@ std::vector<float> reference_mixed(const PropertyCase& c, const PropertyData& d,
 }
 
 /// out must be NaN exactly where the float64 product of the reference mixed is, and otherwise
-/// as close to it as the dtype allows: no worse than the exact product rounded to the dtype
-/// (plus fp32 accumulation), TF32 within its 10-bit operands.
+/// as close to it as the dtype allows: fp32 no worse than the exact product rounded once (plus
+/// fp32 accumulation), bf16/fp16 than rounded twice, TF32 within its 10-bit operands.
 ::testing::AssertionResult out_matches(const PropertyCase& c, const PropertyData& d,
                                        const std::vector<float>& mixed, const std::vector<float>& out) {
   const auto want = qbl_test::linear_reference(mixed, d.w, c.bias ? d.b.data() : nullptr, c.tokens, c.in, c.out);
@@ -124,7 +124,10 @@ std::vector<float> reference_mixed(const PropertyCase& c, const PropertyData& d,
   if (got_f.empty()) return ::testing::AssertionSuccess();
   const double err = qbl_test::relative_error(got_f, want_f);
   const double best = qbl_test::relative_error(rounded_f, want_f);
-  double limit = 1.5 * best + 2e-5;
+  // At most two roundings to the dtype: on the H200 some bf16 cuBLASLt algorithms with the bias
+  // epilogue measured up to 1.65x the error of the exact product rounded once (eager's F.linear
+  // runs the same algorithms; compare.py measures qbl's error equal to eager's).
+  double limit = (c.dtype == DType::fp32 ? 1.5 : 2.5) * best + 2e-5;
   if (c.dtype == DType::tf32) {
     // TF32 keeps 10 fraction bits of each operand, fewer for denormals (same exponent range as
     // fp32): bound by the product of the operands rounded to TF32, whatever the rounding mode.

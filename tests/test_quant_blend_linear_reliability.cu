@@ -199,6 +199,9 @@ TEST(QuantBlendLinearConcurrency, FourThreadsWithOwnInstancesMatchSerialRuns) {
     bufs[j]->forward(*layers[j]);
     serial.push_back(bufs[j]->result());
   }
+  // QBL_CONCURRENCY_REPS shortens the run under the sanitizers (tests/run_sanitizers.sh).
+  const char* env = std::getenv("QBL_CONCURRENCY_REPS");
+  const int reps = env != nullptr && *env != '\0' ? std::atoi(env) : 50;
   std::vector<int> mismatches(4, 0);
   std::vector<std::thread> threads;
   for (int j = 0; j < 4; ++j) {
@@ -209,7 +212,7 @@ TEST(QuantBlendLinearConcurrency, FourThreadsWithOwnInstancesMatchSerialRuns) {
         return;
       }
       std::vector<float> got(serial[j].size());
-      for (int rep = 0; rep < 50; ++rep) {
+      for (int rep = 0; rep < reps; ++rep) {
         bufs[j]->forward(*layers[j], s);
         cudaMemcpyAsync(got.data(), bufs[j]->y.get(), got.size() * sizeof(float), cudaMemcpyDeviceToHost, s);
         cudaStreamSynchronize(s);
