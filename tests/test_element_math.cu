@@ -2,6 +2,7 @@
 // and the same functions on the GPU against the CPU, bit for bit.
 #include <qbl/element_math.cuh>
 
+#include "property_cases.hpp"
 #include "test_support.hpp"
 #include "test_support_device.cuh"
 
@@ -223,19 +224,8 @@ TEST(ElementMathDevice, MatchesHostBitForBit) {
 
 namespace {
 
-/// Round a float to a binary format with `p` significand bits and minimum normal exponent `emin`,
-/// ties to even, overflowing to infinity -- independent of CUDA's conversion functions.
-float round_binary(float v, int p, int emin, double max_finite) {
-  if (std::isnan(v) || std::isinf(v) || v == 0.0f) return v;
-  int e = 0;
-  std::frexp(static_cast<double>(v), &e);  // |v| in [2^(e-1), 2^e)
-  const int lsb = std::max(e - p, emin - p + 1);
-  const double r = std::ldexp(std::nearbyint(std::ldexp(static_cast<double>(v), -lsb)), lsb);
-  if (std::fabs(r) > max_finite) return std::copysign(std::numeric_limits<float>::infinity(), v);
-  return static_cast<float>(r);
-}
-float ref_bf16(float v) { return round_binary(v, 8, -126, 3.3895313892515355e38); }
-float ref_fp16(float v) { return round_binary(v, 11, -14, 65504.0); }
+using qbl_test::ref_bf16;
+using qbl_test::ref_fp16;
 
 template <typename T>
 struct Format;
