@@ -2,6 +2,7 @@
 #pragma once
 
 #include <qbl/amax.cuh>
+#include <qbl/detail/quant_blend_math.cuh>
 #include <qbl/detail/vec.cuh>
 #include <qbl/element_math.cuh>
 #include <qbl/quant_blend.cuh>
@@ -14,64 +15,100 @@ namespace qbl::detail {
 inline constexpr int quant_blend_block_threads = 256;
 inline constexpr int single_block_threads = 1024;
 
-/// Rows each thread keeps in flight: R independent 16-byte loads before the first use.
-inline constexpr int rows_in_flight = 4;
+/// Vectors each thread loads before the first use: independent 16-byte loads in flight.
+inline constexpr int vectors_in_flight = 4;
+/// The same for the single-block kernel (1024 threads; its gate table stays at 16 KiB).
+inline constexpr int single_block_vectors = 2;
 
-/// The rows [0, tokens) of mixed, shared out over `blocks` blocks of `threads` threads.
-///
-/// A row holds `features / N` vectors. When a row has fewer vectors than the block has threads,
-/// the block covers several rows per step, so that short rows leave no thread idle for long.
-/// Each thread works on R rows at a time: their loads are all issued before `get_scale()` is
-/// asked for the scale, so a kernel launched as a programmatic dependent of the amax kernel has
-/// its reads in flight while that kernel drains.
-template <typename T, int N, int R, typename GetScale>
-__device__ __forceinline__ void quant_blend_rows(const T* __restrict__ x,
-                                                 const T* __restrict__ logits, GetScale get_scale,
-                                                 T* __restrict__ mixed, std::int64_t tokens,
-                                                 std::int64_t features, unsigned block,
-                                                 unsigned blocks, unsigned thread,
-                                                 unsigned threads) {
-  const std::int64_t cols = features / N;
-  const unsigned span = cols >= threads ? threads : static_cast<unsigned>(cols);
-  const unsigned rows_per_step = threads / span;
-  const unsigned lane_row = thread / span;
-  if (lane_row >= rows_per_step) return;
-  const unsigned col0 = thread - lane_row * span;
-  const std::int64_t row_step = static_cast<std::int64_t>(blocks) * rows_per_step;
-  float scale = 0.0f;
-  bool have_scale = false;
-  for (std::int64_t row0 = static_cast<std::int64_t>(block) * rows_per_step + lane_row;
-       row0 < tokens; row0 += R * row_step) {
-    float alpha[R], one_minus_alpha[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const std::int64_t row = row0 + r * row_step;
-      alpha[r] = row < tokens ? sigmoid<T>(to_float(logits[row])) : 0.0f;
-      one_minus_alpha[r] = one_minus<T>(alpha[r]);
+/// n / d for 0 <= n, d < 2^31 by a multiply-high and a shift (the method of CUTLASS's FastDivmod).
+struct FastDiv {
+  std::uint32_t d = 1, mul = 0, shr = 0;
+  FastDiv() = default;
+  QBL_HOST_DEVICE explicit FastDiv(std::uint32_t divisor) : d(divisor) {
+    if (d > 1) {
+      std::uint32_t log2_ceil = 0;
+      while ((std::uint64_t{1} << log2_ceil) < d) ++log2_ceil;
+      const std::uint32_t p = 31 + log2_ceil;
+      mul = static_cast<std::uint32_t>(((std::uint64_t{1} << p) + d - 1) / d);
+      shr = p - 32;
     }
-    for (std::int64_t c = col0; c < cols; c += span) {
-      Vec<T, N> in[R];
+  }
+  QBL_HOST_DEVICE std::uint32_t operator()(std::uint32_t n) const {
+    if (d == 1) return n;
+#if defined(__CUDA_ARCH__)
+    return __umulhi(n, mul) >> shr;
+#else
+    return static_cast<std::uint32_t>((std::uint64_t{n} * mul) >> 32) >> shr;
+#endif
+  }
+};
+
+/// Gates (alpha, 1 - alpha) for the rows one tile of `threads * U` vectors touches: at most one
+/// per vector, plus one for a row the tile starts inside.
+template <typename Math, int THREADS, int U>
+struct GateTable {
+  typename Math::Gate gate[THREADS * U + 1];
+};
+
+/// mixed for the rows [0, tokens), shared out over `blocks` blocks of THREADS threads.
+///
+/// The rows are one flat run of `features / N` vectors each, cut into tiles of THREADS * U
+/// consecutive vectors, tile i going to block i mod blocks: every thread has U vectors of work
+/// whatever the row length, and consecutive threads touch consecutive vectors. Per tile, the
+/// block works out each row's gate once into shared memory; the loads of x are issued before
+/// that, and before `get_scale()` is first asked for the scale, so a kernel launched as a
+/// programmatic dependent of the amax kernel has its reads in flight while that kernel drains.
+template <typename T, int N, int THREADS, int U, typename GetScale>
+__device__ __forceinline__ void quant_blend_tiles(
+    const T* __restrict__ x, const T* __restrict__ logits, GetScale get_scale, T* __restrict__ mixed,
+    std::int64_t tokens, std::int64_t features, FastDiv cols_div,
+    GateTable<QuantBlendMath<T, N>, THREADS, U>& table, unsigned block, unsigned blocks) {
+  using Math = QuantBlendMath<T, N>;
+  constexpr std::int64_t tile = std::int64_t{THREADS} * U;
+  const std::int64_t cols = features / N;
+  const std::int64_t total = tokens * cols;
+  // Rows shorter than a tile: a vector's row within the tile is a small quotient (cols_div);
+  // otherwise a tile spans at most two rows.
+  const bool short_rows = cols < tile;
+  std::int64_t base = static_cast<std::int64_t>(block) * tile;
+  if (base >= total) return;
+  std::int64_t row = base / cols, offset = base - row * cols;  // the tile's first vector
+  const std::int64_t step = static_cast<std::int64_t>(blocks) * tile;
+  const std::int64_t step_rows = step / cols, step_offset = step - step_rows * cols;
+  const auto* xv = reinterpret_cast<const Vec<T, N>*>(x);
+  auto* mv = reinterpret_cast<Vec<T, N>*>(mixed);
+  const unsigned thread = threadIdx.x;
+  auto row_in_tile = [&](std::int64_t o) -> std::uint32_t {
+    return short_rows ? cols_div(static_cast<std::uint32_t>(o)) : (o >= cols ? 1u : 0u);
+  };
+  Math math;
+  bool have_scale = false;
+  for (; base < total; base += step) {
+    Vec<T, N> in[U];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const std::int64_t row = row0 + r * row_step;
-        if (row < tokens) in[r] = reinterpret_cast<const Vec<T, N>*>(x + row * features)[c];
-      }
-      if (!have_scale) {
-        scale = get_scale();
-        have_scale = true;
-      }
+    for (int u = 0; u < U; ++u) {
+      const std::int64_t g = base + thread + u * THREADS;
+      if (g < total) in[u] = xv[g];
+    }
+    const std::int64_t last = (total - base < tile ? total - base : tile) - 1;
+    const std::uint32_t rows = row_in_tile(offset + last) + 1;
+    for (std::uint32_t r = thread; r < rows; r += THREADS) table.gate[r] = Math::gate(logits[row + r]);
+    __syncthreads();
+    if (!have_scale) {
+      math.set_scale(get_scale());
+      have_scale = true;
+    }
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const std::int64_t row = row0 + r * row_step;
-        if (row >= tokens) continue;
-        Vec<T, N> out;
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-          const float xv = to_float(in[r].v[j]);
-          out.v[j] = from_float<T>(blend<T>(xv, fake_quant<T>(xv, scale), alpha[r], one_minus_alpha[r]));
-        }
-        reinterpret_cast<Vec<T, N>*>(mixed + row * features)[c] = out;
-      }
+    for (int u = 0; u < U; ++u) {
+      const std::int64_t g = base + thread + u * THREADS;
+      if (g < total) mv[g] = math.apply(in[u], table.gate[row_in_tile(offset + thread + u * THREADS)]);
+    }
+    __syncthreads();  // the next tile's gates overwrite this one's
+    row += step_rows;
+    offset += step_offset;
+    if (offset >= cols) {
+      offset -= cols;
+      ++row;
     }
   }
 }
@@ -88,14 +125,16 @@ template <typename T, int BLOCK_THREADS, int N>
 QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     quant_blend_kernel(const T* __restrict__ x, const T* __restrict__ logits,
                        const float* __restrict__ amax, T* __restrict__ mixed, std::int64_t tokens,
-                       std::int64_t features, float* __restrict__ scale_out) {
+                       std::int64_t features, FastDiv cols_div, float* __restrict__ scale_out) {
+  __shared__ GateTable<QuantBlendMath<T, N>, BLOCK_THREADS, vectors_in_flight> table;
   auto get_scale = [&] {
     wait_for_primary();
     return scale_from_amax<T>(*amax);
   };
   if (scale_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = get_scale();
-  quant_blend_rows<T, N, rows_in_flight>(x, logits, get_scale, mixed, tokens, features, blockIdx.x,
-                                         gridDim.x, threadIdx.x, BLOCK_THREADS);
+  quant_blend_tiles<T, N, BLOCK_THREADS, vectors_in_flight>(x, logits, get_scale, mixed, tokens,
+                                                           features, cols_div, table, blockIdx.x,
+                                                           gridDim.x);
 }
 
 /// Both stages in one block: the amax never leaves shared memory before the blend reads it.
@@ -104,11 +143,12 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     amax_quant_blend_single_block_kernel(const T* __restrict__ x, const T* __restrict__ logits,
                                          T* __restrict__ mixed, std::int64_t tokens,
                                          std::int64_t features, std::int64_t head,
-                                         float* __restrict__ amax_out,
+                                         FastDiv cols_div, float* __restrict__ amax_out,
                                          float* __restrict__ scale_out) {
   using BlockAmax = BlockAbsMax<T, BLOCK_THREADS>;
   __shared__ typename BlockAmax::TempStorage temp;
   __shared__ float shared_scale;
+  __shared__ GateTable<QuantBlendMath<T, N>, BLOCK_THREADS, single_block_vectors> table;
   const std::uint32_t m = BlockAmax(temp).reduce_bits(
       thread_abs_max_bits<T, N>(x, tokens * features, head, threadIdx.x, BLOCK_THREADS));
   if (threadIdx.x == 0) {
@@ -120,8 +160,14 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   }
   __syncthreads();
   const float scale = shared_scale;
-  quant_blend_rows<T, N, rows_in_flight>(x, logits, [scale] { return scale; }, mixed, tokens,
-                                         features, 0, 1, threadIdx.x, BLOCK_THREADS);
+  quant_blend_tiles<T, N, BLOCK_THREADS, single_block_vectors>(
+      x, logits, [scale] { return scale; }, mixed, tokens, features, cols_div, table, 0, 1);
+}
+
+/// The divider quant_blend_tiles needs for rows of `cols` vectors: by cols where rows are shorter
+/// than a tile (then every dividend is below 2 * tile), unused otherwise.
+inline FastDiv cols_divider(std::int64_t cols, std::int64_t tile) {
+  return cols < tile ? FastDiv(static_cast<std::uint32_t>(cols)) : FastDiv();
 }
 
 /// 16-byte vectors when both row-major buffers allow them, else one element at a time.
@@ -146,9 +192,9 @@ cudaError_t launch_quant_blend(const T* x, const T* logits, const float* amax, T
   constexpr int threads = quant_blend_block_threads;
   int sms = 0;
   QBL_CUDA_RETURN_IF_ERROR(sm_count(&sms));
+  constexpr std::int64_t tile = std::int64_t{threads} * vectors_in_flight;
   const std::int64_t cols = features / N;
-  const std::int64_t rows_per_step = cols >= threads ? 1 : threads / cols;
-  // One wave of resident blocks at most; each thread then loops.
+  // One wave of resident blocks at most; each block then loops over tiles.
   static const int resident = [] {
     int n = 0;
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, quant_blend_kernel<T, threads, N>,
@@ -156,8 +202,8 @@ cudaError_t launch_quant_blend(const T* x, const T* logits, const float* amax, T
                ? n
                : 1;
   }();
-  const std::int64_t blocks = std::min<std::int64_t>(
-      ceil_div(tokens, rows_per_step * rows_in_flight), std::int64_t{sms} * resident);
+  const std::int64_t blocks =
+      std::min<std::int64_t>(ceil_div(tokens * cols, tile), std::int64_t{sms} * resident);
   // Launched as a programmatic dependent of the kernel before it (the amax): it may start, and
   // issue its loads of x and logits, while that kernel drains; it reads amax only after
   // cudaGridDependencySynchronize(). After any other work the attribute changes nothing.
@@ -171,7 +217,8 @@ cudaError_t launch_quant_blend(const T* x, const T* logits, const float* amax, T
   config.attrs = attr;
   config.numAttrs = 1;
   QBL_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, quant_blend_kernel<T, threads, N>, x, logits,
-                                              amax, mixed, tokens, features, scale));
+                                              amax, mixed, tokens, features,
+                                              cols_divider(cols, tile), scale));
   return cudaGetLastError();
 }
 
@@ -181,8 +228,9 @@ cudaError_t launch_single_block(const T* x, const T* logits, T* mixed, std::int6
                                 cudaStream_t stream) {
   constexpr int threads = single_block_threads;
   const std::int64_t head = N == 1 ? 0 : aligned_head(x, tokens * features);
-  amax_quant_blend_single_block_kernel<T, threads, N>
-      <<<1, threads, 0, stream>>>(x, logits, mixed, tokens, features, head, amax, scale);
+  amax_quant_blend_single_block_kernel<T, threads, N><<<1, threads, 0, stream>>>(
+      x, logits, mixed, tokens, features, head,
+      cols_divider(features / N, std::int64_t{threads} * single_block_vectors), amax, scale);
   return cudaGetLastError();
 }
 
