@@ -154,6 +154,7 @@ struct Args {
   std::size_t copy_mib = 1024;
   int device = 0;
   bool graph = true;
+  bool gemm_probe = false;
 };
 
 void print_usage(const char* argv0) {
@@ -170,6 +171,9 @@ void print_usage(const char* argv0) {
       "  --copy-mib N       size of the device-to-device copy (default 1024)\n"
       "  --device N         CUDA device (default 0)\n"
       "  --no-graph         skip the CUDA-graph replay of launch-bound shapes\n"
+      "  --gemm-probe       also time the bare GEMM planned the ways qbl::LinearGemm plans it\n"
+      "                     (heuristic asked for 4 results, no bias pointer while asking,\n"
+      "                     explicit 256-byte alignment preferences) and the layer's own GEMM\n"
       "dtypes: fp32 and tf32 run float tensors (tf32: both GEMMs in CUBLAS_COMPUTE_32F_FAST_TF32),\n"
       "        bf16 and fp16 run __nv_bfloat16 and __half tensors with fp32 accumulation\n"
       "shapes (B, T, D):\n",
@@ -260,6 +264,8 @@ Args parse_args(int argc, char** argv) {
       a.device = static_cast<int>(parse_int(flag, value()));
     } else if (flag == "--no-graph") {
       a.graph = false;
+    } else if (flag == "--gemm-probe") {
+      a.gemm_probe = true;
     } else {
       bad_args("unknown option " + flag);
     }
@@ -682,11 +688,23 @@ void launch_scalar_unary(const float* a, float* out, Op op, cudaStream_t s) {
 // reduced in fp32 (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE): qbl::LinearGemm holds itself to that
 // rule, and a floor allowed to sum partials in bf16 could pick algorithms qbl may not.
 
+/// How the bare GEMM asks cuBLASLt's heuristic (--gemm-probe varies it; the default is the
+/// straightforward query described above).
+struct BareQuery {
+  int requested = 1;           // results asked for; the first is used
+  bool bias_at_query = true;   // bias pointer set on the descriptor before asking
+  bool align_prefs = false;    // MIN_ALIGNMENT_{A,B,C,D}_BYTES = 256 set explicitly
+  std::string name() const {
+    return "req" + std::to_string(requested) + (bias_at_query ? "+bias" : "-bias") +
+           (align_prefs ? "+align" : "");
+  }
+};
+
 template <typename T>
 class BareGemm {
  public:
   BareGemm(std::int64_t in, std::int64_t out, std::int64_t tokens, const T* w, const T* bias,
-           cublasComputeType_t compute)
+           cublasComputeType_t compute, BareQuery query = {})
       : w_(w), workspace_(gemm_workspace_bytes) {
     constexpr cudaDataType_t type = cuda_data_type<T>();
     CUBLAS_CHECK(cublasLtCreate(&handle_));
@@ -697,8 +715,10 @@ class BareGemm {
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
                                                 sizeof epilogue));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
-                                                sizeof bias));
+    if (query.bias_at_query) {
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                                  sizeof bias));
+    }
     if (type != CUDA_R_32F) {
       const std::int32_t bias_type = type;  // nn.Linear's bias is in T too
       CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
@@ -718,14 +738,26 @@ class BareGemm {
       CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
           pref_, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes));
     }
-    cublasLtMatmulHeuristicResult_t result = {};
+    if (query.align_prefs) {
+      const std::uint32_t align = 256;
+      for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref_, attr, &align, sizeof align));
+      }
+    }
+    cublasLtMatmulHeuristicResult_t results[8] = {};
     int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc_, a_, b_, c_, c_, pref_, 1, &result,
-                                                &found));
-    if (found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
+    const int requested = std::clamp(query.requested, 1, 8);
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc_, a_, b_, c_, c_, pref_, requested,
+                                                results, &found));
+    if (found < 1 || results[0].state != CUBLAS_STATUS_SUCCESS) {
       die("cublasLtMatmulAlgoGetHeuristic", "no algorithm for the bare GEMM", __FILE__, __LINE__);
     }
-    algo_ = result.algo;
+    algo_ = results[0].algo;
+    if (!query.bias_at_query) {
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                                  sizeof bias));
+    }
   }
   ~BareGemm() {
     cublasLtMatmulPreferenceDestroy(pref_);
@@ -742,6 +774,26 @@ class BareGemm {
     const float one = 1.0f, zero = 0.0f;  // scale type CUDA_R_32F
     CUBLAS_CHECK(cublasLtMatmul(handle_, desc_, &one, w_, a_, mixed, b_, &zero, out, c_, out, c_,
                                 &algo_, workspace_.as<void>(), gemm_workspace_bytes, s));
+  }
+
+  // Every configuration attribute of the chosen algorithm, to compare runs, planners and machines.
+  std::string describe_all() const {
+    std::string r;
+    const std::pair<cublasLtMatmulAlgoConfigAttributes_t, const char*> attrs[] = {
+        {CUBLASLT_ALGO_CONFIG_ID, "id"}, {CUBLASLT_ALGO_CONFIG_TILE_ID, "tile"},
+        {CUBLASLT_ALGO_CONFIG_STAGES_ID, "stages"}, {CUBLASLT_ALGO_CONFIG_SPLITK_NUM, "splitk"},
+        {CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, "reduction"}, {CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, "swizzle"},
+        {CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, "custom"}, {CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, "inner"},
+        {CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, "cluster"}};
+    for (const auto& [attr, name] : attrs) {
+      std::size_t size = 0;
+      std::uint64_t v = 0;
+      const bool ok = cublasLtMatmulAlgoConfigGetAttribute(&algo_, attr, nullptr, 0, &size) == CUBLAS_STATUS_SUCCESS &&
+                      size <= sizeof v &&
+                      cublasLtMatmulAlgoConfigGetAttribute(&algo_, attr, &v, size, &size) == CUBLAS_STATUS_SUCCESS;
+      r += std::string(r.empty() ? "" : " ") + name + "=" + (ok ? std::to_string(v) : "?");
+    }
+    return r;
   }
 
   // "id=.. tile=.. stages=.. splitk=.." of the chosen algorithm, to compare runs and machines.
@@ -1306,6 +1358,28 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     const auto k = static_cast<std::size_t>(i);
     chain.run(x_of(k), logits_of(k), out_chain.as<T>(), stream);
   });
+
+  if (args.gemm_probe) {
+    // The bare GEMM planned as qbl::LinearGemm plans it, one difference at a time, and the layer's
+    // own (first-ranked) GEMM, on the same operands: which part of the planning moves the time.
+    const cublasComputeType_t compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    std::printf("  %-4s probe bare default: %.4f ms  %s\n", dt, row.ms(bare_gemm_item), bare.describe_all().c_str());
+    for (const BareQuery q : {BareQuery{4, true, false}, BareQuery{1, false, false}, BareQuery{1, true, true},
+                              BareQuery{4, false, true}}) {
+      BareGemm<T> variant(d, d, tokens, w.as<T>(), bias.as<T>(), compute, q);
+      const Timing t = timer.measure([&](int) { variant.run(mixed_ready.as<T>(), out_scratch.as<T>(), stream); });
+      std::printf("  %-4s probe bare %-16s %.4f ms  %s\n", dt, q.name().c_str(), t.median_ms,
+                  variant.describe_all().c_str());
+    }
+    DeviceBuffer layer_ws(layer.gemm().workspace_bytes());
+    qbl::LinearGemm<T> plain(d, d, tokens, options);
+    const Timing t = timer.measure([&](int) {
+      CUBLAS_CHECK(plain.run(mixed_ready.as<T>(), w.as<T>(), bias.as<T>(), out_scratch.as<T>(), tokens,
+                             layer_ws.as<void>(), stream));
+    });
+    std::printf("  %-4s probe LinearGemm (default options) %.4f ms  %s\n", dt, t.median_ms,
+                plain.describe(tokens, true).c_str());
+  }
 
   CUDA_CHECK(cudaStreamSynchronize(stream));
   for (cudaGraphExec_t g : graphs) CUDA_CHECK(cudaGraphExecDestroy(g));  // before `layer` goes

@@ -118,7 +118,8 @@ class LinearGemm {
   const std::vector<GemmTuning>& tuning() const noexcept { return tuning_; }
 
   /// The algorithm run() uses for `tokens` with 256-byte-aligned pointers, as
-  /// "algo <id> tile <id> stages <id> splitK <n> reduction <scheme> swizzle <n>" ("none" if
+  /// "algo <id> tile <id> stages <id> splitK <n> reduction <scheme> swizzle <n> custom <n>
+  /// inner <id> cluster <id>" ("none" if
   /// cuBLASLt has none).
   std::string describe(std::int64_t tokens, bool bias) const;
 

@@ -352,7 +352,10 @@ std::string LinearGemm<T>::describe(std::int64_t tokens, bool bias) const {
          std::to_string(get(CUBLASLT_ALGO_CONFIG_STAGES_ID)) + " splitK " +
          std::to_string(get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM)) + " reduction " +
          std::to_string(get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME)) + " swizzle " +
-         std::to_string(get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING));
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING)) + " custom " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION)) + " inner " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID)) + " cluster " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
 }
 
 template <typename T>
