@@ -35,9 +35,12 @@
 // each other.
 //
 // Method. Each item gets warm-up runs first (doubling rounds until one round lasts >= 10 ms), then
-// at least --reps runs and enough that they add up to >= --min-ms. Every run is bracketed by its
-// own event pair and the MEDIAN of the per-run times is reported (robust to the occasional
-// preempted or clock-throttled run). Inputs rotate run by run over K independent sets of x and
+// at least --reps runs and enough that they add up to >= --min-ms. The items of one shape and
+// dtype are timed side by side: rounds of ~2 ms per item go to each item in turn, so that all of
+// them see the same clocks and temperature (timed one after another, a later item ran up to 15 %
+// slower than an earlier one on an H200 under sustained bf16 GEMM load, the same kernel included).
+// Every run is bracketed by its own event pair and the MEDIAN of the per-run times is reported
+// (robust to the occasional preempted or clock-throttled run). Inputs rotate run by run over K independent sets of x and
 // logits with K * bytes(x) >= 3 x L2 (bytes in T), so that x comes from HBM as it does in a real
 // network where the previous layer's output has long left L2. W, b and the GEMM's `mixed` operand
 // do not rotate: in real use the same weights are read every step, and `mixed` is consumed right
@@ -73,6 +76,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <functional>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -911,14 +916,54 @@ class RunTimer {
   RunTimer(const RunTimer&) = delete;
   RunTimer& operator=(const RunTimer&) = delete;
 
+  // Times several items side by side: after each item's warm-up, rounds of about round_ms per
+  // item go to every item in turn until each has its runs, so that every item is timed across
+  // the same stretch of clocks and temperature. (Timed one after another, the items timed last
+  // ran up to 15 % slower on an H200 under sustained bf16 GEMM load, the same kernel included.)
+  std::vector<Timing> measure_together(const std::vector<std::function<void(int)>>& items) {
+    const std::size_t n = items.size();
+    std::vector<int> index(n, 0), chunk(n), wanted(n);
+    for (std::size_t k = 0; k < n; ++k) {
+      const double estimate_ms = warm_up(items[k], index[k]);
+      const double runs = estimate_ms > 0.0 ? std::ceil(min_total_ms_ / estimate_ms) : max_runs_;
+      wanted[k] = static_cast<int>(std::clamp<double>(runs, min_runs_, max_runs_));
+      const double per_round = estimate_ms > 0.0 ? std::ceil(round_ms / estimate_ms) : 1.0;
+      chunk[k] = static_cast<int>(std::clamp<double>(per_round, 1.0, batch));
+    }
+    std::vector<std::vector<float>> times(n);
+    for (bool more = true; more;) {
+      more = false;
+      for (std::size_t k = 0; k < n; ++k) {
+        if (static_cast<int>(times[k].size()) >= wanted[k]) continue;
+        timed_runs(items[k], index[k], std::min(chunk[k], wanted[k] - static_cast<int>(times[k].size())), times[k]);
+        more = more || static_cast<int>(times[k].size()) < wanted[k];
+      }
+    }
+    std::vector<Timing> result(n);
+    for (std::size_t k = 0; k < n; ++k) result[k] = summarize(times[k]);
+    return result;
+  }
+
   // `run_once(i)` enqueues run i on the stream (i picks the rotating input set).
   template <typename F>
   Timing measure(F&& run_once) {
     int index = 0;
-    // Warm-up in doubling rounds until one round lasts warmup_round_ms: clocks ramp up, lazy
-    // module loading and cuBLASLt's first-call setup happen here, and the round's mean sizes
-    // the timed loop.
-    double estimate_ms = 0.0;
+    const double estimate_ms = warm_up(run_once, index);
+    const double wanted = estimate_ms > 0.0 ? std::ceil(min_total_ms_ / estimate_ms) : max_runs_;
+    const int runs = static_cast<int>(std::clamp<double>(wanted, min_runs_, max_runs_));
+    std::vector<float> times;
+    times.reserve(static_cast<std::size_t>(runs));
+    while (static_cast<int>(times.size()) < runs) {
+      timed_runs(run_once, index, std::min(batch, runs - static_cast<int>(times.size())), times);
+    }
+    return summarize(times);
+  }
+
+ private:
+  // Warm-up in doubling rounds until one round lasts warmup_round_ms: clocks ramp up, lazy
+  // module loading and cuBLASLt's first-call setup happen here. Returns the last round's mean.
+  template <typename F>
+  double warm_up(F&& run_once, int& index) {
     for (int round = 4;; round *= 2) {
       CUDA_CHECK(cudaEventRecord(start_[0], stream_));
       for (int r = 0; r < round; ++r) run_once(index++);
@@ -926,30 +971,29 @@ class RunTimer {
       CUDA_CHECK(cudaEventSynchronize(stop_[0]));
       float ms = 0.0f;
       CUDA_CHECK(cudaEventElapsedTime(&ms, start_[0], stop_[0]));
-      estimate_ms = static_cast<double>(ms) / round;
-      if (ms >= warmup_round_ms || round >= (1 << 14)) break;
+      if (ms >= warmup_round_ms || round >= (1 << 14)) return static_cast<double>(ms) / round;
     }
-    const double wanted = estimate_ms > 0.0 ? std::ceil(min_total_ms_ / estimate_ms) : max_runs_;
-    const int runs = static_cast<int>(std::clamp<double>(wanted, min_runs_, max_runs_));
+  }
 
-    std::vector<float> times;
-    times.reserve(static_cast<std::size_t>(runs));
-    while (static_cast<int>(times.size()) < runs) {
-      const int count = std::min(batch, runs - static_cast<int>(times.size()));
-      for (int j = 0; j < count; ++j) {
-        CUDA_CHECK(cudaEventRecord(start_[j], stream_));
-        run_once(index++);
-        CUDA_CHECK(cudaEventRecord(stop_[j], stream_));
-      }
-      CUDA_CHECK(cudaEventSynchronize(stop_[count - 1]));
-      for (int j = 0; j < count; ++j) {
-        float ms = 0.0f;
-        CUDA_CHECK(cudaEventElapsedTime(&ms, start_[j], stop_[j]));
-        times.push_back(ms);
-      }
+  // `count` (<= batch) runs, each bracketed by its own event pair; their times are appended.
+  template <typename F>
+  void timed_runs(F&& run_once, int& index, int count, std::vector<float>& times) {
+    for (int j = 0; j < count; ++j) {
+      CUDA_CHECK(cudaEventRecord(start_[j], stream_));
+      run_once(index++);
+      CUDA_CHECK(cudaEventRecord(stop_[j], stream_));
     }
+    CUDA_CHECK(cudaEventSynchronize(stop_[count - 1]));
+    for (int j = 0; j < count; ++j) {
+      float ms = 0.0f;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, start_[j], stop_[j]));
+      times.push_back(ms);
+    }
+  }
+
+  static Timing summarize(std::vector<float>& times) {
     Timing t;
-    t.runs = runs;
+    t.runs = static_cast<int>(times.size());
     std::sort(times.begin(), times.end());
     const std::size_t mid = times.size() / 2;
     t.median_ms = times.size() % 2 ? times[mid] : 0.5 * (static_cast<double>(times[mid - 1]) + times[mid]);
@@ -957,8 +1001,8 @@ class RunTimer {
     return t;
   }
 
- private:
   static constexpr int batch = 512;  // event pairs in flight before the host reads them back
+  static constexpr double round_ms = 2.0;  // per item and round in measure_together
   cudaStream_t stream_;
   double min_total_ms_;
   int min_runs_, max_runs_;
@@ -1322,63 +1366,77 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
                 row.graph_bit_equal ? "yes" : "no");
   }
 
-  // ---- timing ----
-  auto measure = [&](Item i, auto&& run_once) {
-    row.t[i] = timer.measure(run_once);
-    report(dt, i, row.t[i]);
-  };
+  // ---- timing: every item of this shape and dtype side by side (RunTimer::measure_together) ----
   row.copy_bytes = static_cast<double>(copy_bytes);
   row.t[copy_item] = copy;
-  measure(bare_gemm_item, [&](int) { bare.run(mixed_ready.as<T>(), out_scratch.as<T>(), stream); });
-  measure(gemm_item, [&](int) {
+  std::vector<Item> ids;
+  std::vector<std::function<void(int)>> runs;
+  auto item = [&](Item i, std::function<void(int)> f) {
+    ids.push_back(i);
+    runs.push_back(std::move(f));
+  };
+  item(bare_gemm_item, [&](int) { bare.run(mixed_ready.as<T>(), out_scratch.as<T>(), stream); });
+  item(gemm_item, [&](int) {
     CUBLAS_CHECK(gemm.run(mixed_ready.as<T>(), w.as<T>(), bias.as<T>(), out_scratch.as<T>(), tokens,
                           gemm_ws.as<void>(), stream));
   });
-  measure(amax_item, [&](int i) { CUDA_CHECK(qbl::amax(x_of(static_cast<std::size_t>(i)), n, amax_scratch, stream)); });
-  measure(quant_blend_item, [&](int i) {
+  item(amax_item, [&](int i) { CUDA_CHECK(qbl::amax(x_of(static_cast<std::size_t>(i)), n, amax_scratch, stream)); });
+  item(quant_blend_item, [&](int i) {
     const auto k = static_cast<std::size_t>(i) % sets;
     CUDA_CHECK(qbl::quant_blend(x_of(k), logits_of(k), amax_sets.as<float>() + k, mixed_scratch.as<T>(),
                                 tokens, d, scale_scratch, stream));
   });
-  measure(fused_prologue_item, [&](int i) {
+  item(fused_prologue_item, [&](int i) {
     const auto k = static_cast<std::size_t>(i);
     CUDA_CHECK(qbl::amax_quant_blend(x_of(k), logits_of(k), mixed_scratch.as<T>(), tokens, d, amax_scratch,
                                      scale_scratch, stream));
   });
-  measure(forward_item, [&](int i) {
+  item(forward_item, [&](int i) {
     const auto k = static_cast<std::size_t>(i);
     layer.forward(x_of(k), logits_of(k), w.as<T>(), bias.as<T>(), out_fwd.as<T>(), tokens, stream);
   });
   if (!graphs.empty()) {
-    measure(graph_item, [&](int i) {
+    item(graph_item, [&](int i) {
       CUDA_CHECK(cudaGraphLaunch(graphs[static_cast<std::size_t>(i) % graphs.size()], stream));
     });
   }
-  measure(eager_item, [&](int i) {
+  item(eager_item, [&](int i) {
     const auto k = static_cast<std::size_t>(i);
     chain.run(x_of(k), logits_of(k), out_chain.as<T>(), stream);
   });
-
+  // --gemm-probe: the bare GEMM planned as qbl::LinearGemm plans it, one difference at a time, and
+  // the layer's own first-ranked GEMM, on the same operands and timed with the rest.
+  const BareQuery probes[] = {{4, true, false}, {1, false, false}, {1, true, true}, {4, false, true}};
+  std::vector<std::unique_ptr<BareGemm<T>>> variants;
+  DeviceBuffer plain_ws(args.gemm_probe ? layer.gemm().workspace_bytes() : 0);
+  std::unique_ptr<qbl::LinearGemm<T>> plain;
   if (args.gemm_probe) {
-    // The bare GEMM planned as qbl::LinearGemm plans it, one difference at a time, and the layer's
-    // own (first-ranked) GEMM, on the same operands: which part of the planning moves the time.
     const cublasComputeType_t compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-    std::printf("  %-4s probe bare default: %.4f ms  %s\n", dt, row.ms(bare_gemm_item), bare.describe_all().c_str());
-    for (const BareQuery q : {BareQuery{4, true, false}, BareQuery{1, false, false}, BareQuery{1, true, true},
-                              BareQuery{4, false, true}}) {
-      BareGemm<T> variant(d, d, tokens, w.as<T>(), bias.as<T>(), compute, q);
-      const Timing t = timer.measure([&](int) { variant.run(mixed_ready.as<T>(), out_scratch.as<T>(), stream); });
-      std::printf("  %-4s probe bare %-16s %.4f ms  %s\n", dt, q.name().c_str(), t.median_ms,
-                  variant.describe_all().c_str());
+    for (const BareQuery& q : probes) {
+      variants.push_back(std::make_unique<BareGemm<T>>(d, d, tokens, w.as<T>(), bias.as<T>(), compute, q));
+      BareGemm<T>* v = variants.back().get();
+      runs.push_back([&, v](int) { v->run(mixed_ready.as<T>(), out_scratch.as<T>(), stream); });
     }
-    DeviceBuffer layer_ws(layer.gemm().workspace_bytes());
-    qbl::LinearGemm<T> plain(d, d, tokens, options);
-    const Timing t = timer.measure([&](int) {
-      CUBLAS_CHECK(plain.run(mixed_ready.as<T>(), w.as<T>(), bias.as<T>(), out_scratch.as<T>(), tokens,
-                             layer_ws.as<void>(), stream));
+    plain = std::make_unique<qbl::LinearGemm<T>>(d, d, tokens, options);
+    runs.push_back([&](int) {
+      CUBLAS_CHECK(plain->run(mixed_ready.as<T>(), w.as<T>(), bias.as<T>(), out_scratch.as<T>(), tokens,
+                              plain_ws.as<void>(), stream));
     });
-    std::printf("  %-4s probe LinearGemm (default options) %.4f ms  %s\n", dt, t.median_ms,
-                plain.describe(tokens, true).c_str());
+  }
+  const std::vector<Timing> timed = timer.measure_together(runs);
+  for (std::size_t k = 0; k < ids.size(); ++k) {
+    row.t[ids[k]] = timed[k];
+    report(dt, ids[k], timed[k]);
+  }
+  if (args.gemm_probe) {
+    std::printf("  %-4s probe bare default          %.4f ms  %s\n", dt, row.ms(bare_gemm_item),
+                bare.describe_all().c_str());
+    for (std::size_t v = 0; v < variants.size(); ++v) {
+      std::printf("  %-4s probe bare %-20s %.4f ms  %s\n", dt, probes[v].name().c_str(),
+                  timed[ids.size() + v].median_ms, variants[v]->describe_all().c_str());
+    }
+    std::printf("  %-4s probe LinearGemm, default options %.4f ms  %s\n", dt, timed.back().median_ms,
+                plain->describe(tokens, true).c_str());
   }
 
   CUDA_CHECK(cudaStreamSynchronize(stream));
