@@ -11,9 +11,15 @@
 # times instead of 10,000 and the four threads run 5 forwards each instead of 50.
 #
 # Left out everywhere: the huge-tensor case (tens of GiB; many minutes under memcheck), the
-# 2^24-element amax cases, and the out-of-memory test, whose failing cudaMalloc is the point of
-# the test but counts as an API error to the tools. QBL_SANITIZER_EXCLUDE adds gtest filter
+# 2^24-element amax cases, the out-of-memory test, whose failing cudaMalloc is the point of
+# the test but counts as an API error to the tools, and the exhaustive operand sweeps of
+# test_quant_blend_math (2^32 operand pairs each, no shared memory, one atomic per block: they
+# test arithmetic, and take many minutes instrumented). QBL_SANITIZER_EXCLUDE adds gtest filter
 # patterns (':'-separated).
+#
+# Time limits: QBL_SANITIZER_BINARY_S (seconds, default none) bounds each tool-binary run, and a
+# run that reaches it counts as failed; QBL_SANITIZER_DEADLINE (seconds since the epoch) stops
+# starting runs after that time, and every run not started is reported and counts as failed.
 set -euo pipefail
 # The randomized property test runs a slice of its cases here (1000 constructions under memcheck
 # would take long); its full run belongs to the plain test suite.
@@ -25,7 +31,9 @@ tools=("$@")
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 [ -x "$sanitizer" ] || { echo "compute-sanitizer not found" >&2; exit 2; }
 export QBL_GRAPH_REPLAYS=${QBL_GRAPH_REPLAYS:-200} QBL_CONCURRENCY_REPS=${QBL_CONCURRENCY_REPS:-5}
-exclude="*Huge*:*n16777219*:*OutOfMemory*${QBL_SANITIZER_EXCLUDE:+:$QBL_SANITIZER_EXCLUDE}"
+exclude="*Huge*:*n16777219*:*OutOfMemory*:QuantBlendMath16/*.Every*:QuantBlendMathDevice.*${QBL_SANITIZER_EXCLUDE:+:$QBL_SANITIZER_EXCLUDE}"
+limit=()
+[ -n "${QBL_SANITIZER_BINARY_S:-}" ] && limit=(timeout "$QBL_SANITIZER_BINARY_S")
 status=0
 for tool in "${tools[@]}"; do
   filter="-$exclude"
@@ -36,13 +44,19 @@ for tool in "${tools[@]}"; do
     case "$name" in test_error|test_two_units) continue ;; esac  # no device code of their own
     log="$build/sanitizer-$tool-$name.log"
     start=$(date +%s)
-    if "$sanitizer" --tool "$tool" --error-exitcode 97 --print-limit 20 "$t" \
-         --gtest_filter="$filter" >"$log" 2>&1; then
-      result=ok
-    else
-      result=FAILED
+    if [ -n "${QBL_SANITIZER_DEADLINE:-}" ] && [ "$start" -ge "$QBL_SANITIZER_DEADLINE" ]; then
+      echo "$tool $name: NOT RUN (deadline)"
       status=1
+      continue
     fi
+    rc=0
+    "${limit[@]}" "$sanitizer" --tool "$tool" --error-exitcode 97 --print-limit 20 "$t" \
+      --gtest_filter="$filter" >"$log" 2>&1 || rc=$?
+    case $rc in
+      0) result=ok ;;
+      124) result="FAILED (time limit ${QBL_SANITIZER_BINARY_S} s)"; status=1 ;;
+      *) result="FAILED (rc $rc)"; status=1 ;;
+    esac
     echo "$tool $name: $result, $(grep -Eo 'ERROR SUMMARY: [0-9]+ errors?' "$log" | tail -n 1)," \
          "$(grep -Eo '\[  PASSED  \] [0-9]+ tests?' "$log" | tail -n 1)," \
          "$(grep -Eo '\[  FAILED  \] [0-9]+ tests?' "$log" | tail -n 1)" \
