@@ -15,6 +15,7 @@
 #pragma once
 
 #include <qbl/detail/config.cuh>
+#include <qbl/detail/vec.cuh>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -99,21 +100,8 @@ QBL_HOST_DEVICE float bits_float(std::uint32_t u) {
 
 /// v rounded to the nearest T (ties to even), as a float: what eager stores after an fp32 op.
 template <typename T>
-QBL_HOST_DEVICE float round_to(float v);
-
-template <>
-QBL_HOST_DEVICE float round_to<float>(float v) {
-  return v;
-}
-
-template <>
-QBL_HOST_DEVICE float round_to<__nv_bfloat16>(float v) {
-  return __bfloat162float(__float2bfloat16_rn(v));
-}
-
-template <>
-QBL_HOST_DEVICE float round_to<__half>(float v) {
-  return __half2float(__float2half_rn(v));
+QBL_HOST_DEVICE float round_to(float v) {
+  return to_float(from_float<T>(v));
 }
 
 }  // namespace detail
