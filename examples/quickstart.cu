@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
     std::vector<float> ref_mixed(in);
     for (std::int64_t t = 0; t < tokens; ++t) {
       for (std::int64_t i = 0; i < in; ++i) {
-        ref_mixed[i] = qbl::quant_blend(x[t * in + i], alpha[t], scale);
+        ref_mixed[i] = qbl::quant_blend_value(x[t * in + i], alpha[t], scale);
         mixed_mismatch += ref_mixed[i] != mixed[t * in + i];
       }
       for (std::int64_t o = 0; o < out; ++o) {

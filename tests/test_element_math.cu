@@ -105,7 +105,7 @@ TEST(ElementMath, FakeQuantSignedZeroAndDenormals) {
   // All-denormal x: amax is clamped to 1e-8, every code is 0, mixed keeps (1 - alpha) * x.
   const float sd = qbl::scale_from_amax(FLT_TRUE_MIN * 1000);
   EXPECT_EQ(qbl::fake_quant(FLT_TRUE_MIN * 1000, sd), 0.0f);
-  const float m = qbl::quant_blend(FLT_TRUE_MIN * 1000, 0.25f, sd);
+  const float m = qbl::quant_blend_value(FLT_TRUE_MIN * 1000, 0.25f, sd);
   EXPECT_EQ(bits(m), bits(0.75f * (FLT_TRUE_MIN * 1000)));
   EXPECT_NE(m, 0.0f) << "denormals must not be flushed";
 }
@@ -140,13 +140,13 @@ TEST(ElementMath, BlendRoundsThreeTimes) {
 
 TEST(ElementMath, QuantBlendNaNAndInfPropagate) {
   const float s = qbl::scale_from_amax(2.0f);
-  EXPECT_TRUE(std::isnan(qbl::quant_blend(nan, 0.3f, s)));
-  EXPECT_TRUE(std::isnan(qbl::quant_blend(1.0f, nan, s)));  // NaN logit -> NaN alpha
-  EXPECT_TRUE(std::isnan(qbl::quant_blend(1.0f, 0.3f, qbl::scale_from_amax(inf))));
+  EXPECT_TRUE(std::isnan(qbl::quant_blend_value(nan, 0.3f, s)));
+  EXPECT_TRUE(std::isnan(qbl::quant_blend_value(1.0f, nan, s)));  // NaN logit -> NaN alpha
+  EXPECT_TRUE(std::isnan(qbl::quant_blend_value(1.0f, 0.3f, qbl::scale_from_amax(inf))));
   // alpha == 1 (logit +inf): the (1 - alpha) * x term is +0, mixed == x_q.
-  EXPECT_EQ(qbl::quant_blend(1.1f, 1.0f, s), qbl::fake_quant(1.1f, s));
+  EXPECT_EQ(qbl::quant_blend_value(1.1f, 1.0f, s), qbl::fake_quant(1.1f, s));
   // alpha == 0 (logit -inf): mixed == x.
-  EXPECT_EQ(qbl::quant_blend(1.1f, 0.0f, s), 1.1f);
+  EXPECT_EQ(qbl::quant_blend_value(1.1f, 0.0f, s), 1.1f);
 }
 
 // A fixed slice of random cases, against the formula written out with volatile temporaries.
@@ -165,7 +165,7 @@ TEST(ElementMath, RandomSliceMatchesTheFormula) {
     volatile float one_minus = 1.0f - alpha;
     volatile float p = alpha * xq, r = one_minus * x;
     volatile float want = p + r;
-    ASSERT_EQ(bits(qbl::quant_blend(x, alpha, qbl::scale_from_amax(amax))), bits(want))
+    ASSERT_EQ(bits(qbl::quant_blend_value(x, alpha, qbl::scale_from_amax(amax))), bits(want))
         << "case " << i << ": x " << x << " alpha " << alpha << " amax " << amax;
   }
 }
@@ -177,7 +177,7 @@ __global__ void device_element_math(const float* x, const float* alpha, const fl
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   scale[i] = qbl::scale_from_amax(amax[i]);
-  quant_blend[i] = qbl::quant_blend(x[i], alpha[i], scale[i]);
+  quant_blend[i] = qbl::quant_blend_value(x[i], alpha[i], scale[i]);
 }
 
 TEST(ElementMathDevice, MatchesHostBitForBit) {
@@ -212,7 +212,7 @@ TEST(ElementMathDevice, MatchesHostBitForBit) {
   QBL_ASSERT_CUDA(qbl_test::to_host(s, ds.get()));
   for (int i = 0; i < n; ++i) {
     want_s[i] = qbl::scale_from_amax(amax[i]);
-    want_q[i] = qbl::quant_blend(x[i], alpha[i], want_s[i]);
+    want_q[i] = qbl::quant_blend_value(x[i], alpha[i], want_s[i]);
   }
   EXPECT_TRUE(qbl_test::bits_equal(s, want_s));
   EXPECT_TRUE(qbl_test::bits_equal(q, want_q));
@@ -274,9 +274,9 @@ TYPED_TEST(ElementMath16, ScaleClampBoundIsTheRoundedEpsilon) {
 TEST(ElementMath16, AllZeroXIsNaNInFp16AndZeroInBf16) {
   // fp16 rounds eager's 1e-8 clamp bound to 0: scale 0, 0 / 0 = NaN, as eager computes.
   EXPECT_EQ(qbl::scale_from_amax<__half>(0.0f), 0.0f);
-  EXPECT_TRUE(std::isnan(qbl::quant_blend<__half>(0.0f, 0.3f, qbl::scale_from_amax<__half>(0.0f))));
+  EXPECT_TRUE(std::isnan(qbl::quant_blend_value<__half>(0.0f, 0.3f, qbl::scale_from_amax<__half>(0.0f))));
   EXPECT_GT(qbl::scale_from_amax<__nv_bfloat16>(0.0f), 0.0f);
-  EXPECT_EQ(qbl::quant_blend<__nv_bfloat16>(0.0f, 0.3f, qbl::scale_from_amax<__nv_bfloat16>(0.0f)), 0.0f);
+  EXPECT_EQ(qbl::quant_blend_value<__nv_bfloat16>(0.0f, 0.3f, qbl::scale_from_amax<__nv_bfloat16>(0.0f)), 0.0f);
 }
 
 TYPED_TEST(ElementMath16, RandomSliceMatchesTheFormulaOpByOp) {
@@ -295,7 +295,7 @@ TYPED_TEST(ElementMath16, RandomSliceMatchesTheFormulaOpByOp) {
     const float oma = rt(1.0f - alpha);
     const float want = rt(rt(alpha * xq) + rt(oma * x));
     ASSERT_EQ(bits(qbl::scale_from_amax<T>(amax)), bits(scale));
-    ASSERT_EQ(bits(qbl::quant_blend<T>(x, alpha, scale)), bits(want))
+    ASSERT_EQ(bits(qbl::quant_blend_value<T>(x, alpha, scale)), bits(want))
         << "case " << i << ": x " << x << " alpha " << alpha << " amax " << amax;
   }
 }

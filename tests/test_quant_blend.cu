@@ -47,7 +47,7 @@ std::vector<float> cpu_mixed(const Inputs& in, std::int64_t tokens, std::int64_t
   std::vector<float> r(in.x.size());
   for (std::int64_t t = 0; t < tokens; ++t)
     for (std::int64_t c = 0; c < features; ++c)
-      r[t * features + c] = qbl::quant_blend(in.x[t * features + c], in.alpha[t], scale);
+      r[t * features + c] = qbl::quant_blend_value(in.x[t * features + c], in.alpha[t], scale);
   return r;
 }
 
@@ -228,7 +228,7 @@ TYPED_TEST(QuantBlendDevice16, MatchesCpuOpByOp) {
       std::vector<float> want(n);
       for (std::int64_t t = 0; t < sh.tokens; ++t)
         for (std::int64_t c = 0; c < sh.features; ++c)
-          want[t * sh.features + c] = qbl::quant_blend<T>(xf[t * sh.features + c], alpha[t], scale);
+          want[t * sh.features + c] = qbl::quant_blend_value<T>(xf[t * sh.features + c], alpha[t], scale);
       EXPECT_TRUE(qbl_test::bits_equal(qbl_test::widen(got), want, static_cast<std::size_t>(sh.features)));
     }
   }

@@ -31,7 +31,10 @@ TEST(QuantBlendLinear, RejectsBadSizesBeforeTouchingCuda) {
 TEST(QuantBlendLinear, WorkspaceBytesCountsEveryBuffer) {
   qbl::Options o;
   o.cublas_workspace_bytes = 1000;
-  EXPECT_EQ(Layer::workspace_bytes(64, 10, o), 2 * sizeof(float) + 64 * 10 * sizeof(float) + 1000);
+  EXPECT_EQ(Layer::workspace_bytes(64, 8, 10, o), 2 * sizeof(float) + 64 * 10 * sizeof(float) + 1000);
+  o.backward = true;
+  EXPECT_EQ(Layer::workspace_bytes(64, 8, 10, o),
+            2 * sizeof(float) + 2 * 64 * 10 * sizeof(float) + 8 * sizeof(float) + 1000);
   EXPECT_EQ(qbl::Options{}.cublas_workspace_bytes, std::size_t{32} << 20);
   EXPECT_FALSE(qbl::Options{}.allow_tf32);
 }
@@ -94,7 +97,7 @@ struct Problem {
     std::vector<float> r(x.size());
     for (std::int64_t t = 0; t < tokens; ++t)
       for (std::int64_t c = 0; c < in; ++c)
-        r[t * in + c] = qbl::quant_blend(x[t * in + c], alpha[t], scale);
+        r[t * in + c] = qbl::quant_blend_value(x[t * in + c], alpha[t], scale);
     return r;
   }
 };
@@ -361,7 +364,7 @@ TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
     std::vector<float> want_mixed(xf.size());
     for (std::int64_t t = 0; t < sh.tokens; ++t)
       for (std::int64_t c = 0; c < sh.in; ++c)
-        want_mixed[t * sh.in + c] = qbl::quant_blend<T>(xf[t * sh.in + c], alpha[t], scale);
+        want_mixed[t * sh.in + c] = qbl::quant_blend_value<T>(xf[t * sh.in + c], alpha[t], scale);
     EXPECT_TRUE(qbl_test::bits_equal(qbl_test::widen(mixed), want_mixed, static_cast<std::size_t>(sh.in)));
     const std::vector<float> got = qbl_test::widen(out);
     for (std::size_t i = 0; i < got.size(); ++i) ASSERT_FALSE(std::isnan(got[i])) << "unwritten or NaN " << i;

@@ -351,9 +351,9 @@ TEST(QuantBlendLinearProperty, FixedSliceOnTheHostElementMath) {
         float& m = got[t * c.in + k];
         switch (c.dtype) {
           case DType::fp32:
-          case DType::tf32: m = qbl::quant_blend<float>(x, alpha[t], scale); break;
-          case DType::bf16: m = qbl::quant_blend<__nv_bfloat16>(x, alpha[t], scale); break;
-          case DType::fp16: m = qbl::quant_blend<__half>(x, alpha[t], scale); break;
+          case DType::tf32: m = qbl::quant_blend_value<float>(x, alpha[t], scale); break;
+          case DType::bf16: m = qbl::quant_blend_value<__nv_bfloat16>(x, alpha[t], scale); break;
+          case DType::fp16: m = qbl::quant_blend_value<__half>(x, alpha[t], scale); break;
         }
       }
     }

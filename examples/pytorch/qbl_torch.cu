@@ -263,7 +263,7 @@ class TypedLayer final : public LayerBase {
   const float* device_scale() const override { return impl_.device_scale(); }
   const float* device_amax() const override { return impl_.device_amax(); }
   std::size_t workspace_bytes() const override {
-    return qbl::QuantBlendLinear<elem_t>::workspace_bytes(impl_.in_features(), impl_.max_tokens(),
+    return qbl::QuantBlendLinear<elem_t>::workspace_bytes(impl_.in_features(), impl_.out_features(), impl_.max_tokens(),
                                                           impl_.options());
   }
 

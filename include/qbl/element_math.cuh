@@ -11,10 +11,14 @@
 //
 //   float scale = qbl::scale_from_amax(amax);                 // clamp(amax, 1e-8) * fl(1/127)
 //   float alpha = qbl::sigmoid(logit);                        // 1 / (1 + exp(-logit))
-//   float m     = qbl::blend(x, qbl::fake_quant(x, scale), alpha);
+//   float m     = qbl::quant_blend_value(x, alpha, scale);     // mixed for one element
+//
+// The backward's element math follows the forward's (the autograd of the reference module, op by
+// op as eager rounds it): grad_x_value, grad_product, grad_alpha_value, grad_logit_value.
 #pragma once
 
 #include <qbl/detail/config.cuh>
+#include <qbl/options.hpp>
 #include <qbl/detail/vec.cuh>
 
 #include <cuda_bf16.h>
@@ -162,8 +166,65 @@ QBL_HOST_DEVICE float blend(float x, float x_q, float alpha, float one_minus_alp
 
 /// mixed for one element, all steps.
 template <typename T = float>
-QBL_HOST_DEVICE float quant_blend(float x, float alpha, float scale) {
+QBL_HOST_DEVICE float quant_blend_value(float x, float alpha, float scale) {
   return blend<T>(x, fake_quant<T>(x, scale), alpha, one_minus<T>(alpha));
+}
+
+// ---- backward -------------------------------------------------------------------------------
+// With g = dL/dmixed for one element (g_mixed = grad_out · W, rounded to T by the GEMM):
+
+namespace detail {
+
+/// The quantized branch's share of dL/dx under QuantGrad::zero: torch.round's zero gradient
+/// through div's backward, 0 / scale (+0, or NaN for a NaN or zero scale). One per launch.
+QBL_HOST_DEVICE float zero_quant_grad(float scale) { return div_rn(0.0f, scale); }
+
+/// grad_x_value with zero_quant_grad(scale) given.
+template <typename T>
+QBL_HOST_DEVICE float grad_x_from(float g, float alpha, float one_minus_alpha, float zero_grad,
+                                  QuantGrad mode) {
+  const float direct = round_to<T>(mul_rn(g, one_minus_alpha));
+  const float other = mode == QuantGrad::straight_through ? round_to<T>(mul_rn(g, alpha)) : zero_grad;
+  return round_to<T>(add_rn(other, direct));
+}
+
+}  // namespace detail
+
+/// dL/dx for one element. QuantGrad::zero (the reference): the blend's direct part
+/// RN_T(g * (1 - alpha)) plus what autograd adds from the quantized branch, torch.round's zero
+/// gradient divided by the scale (div's backward): +0 for a positive scale, which turns a -0
+/// gradient into +0, and NaN where the scale is NaN (NaN in x) or 0 (fp16's all-zero x).
+/// QuantGrad::straight_through: RN_T(RN_T(g * alpha) + RN_T(g * (1 - alpha))), as ModelSTE's
+/// autograd sums the two paths.
+template <typename T = float>
+QBL_HOST_DEVICE float grad_x_value(float g, float alpha, float one_minus_alpha, float scale,
+                                   QuantGrad mode = QuantGrad::zero) {
+  return detail::grad_x_from<T>(g, alpha, one_minus_alpha, detail::zero_quant_grad(scale), mode);
+}
+
+/// One term of the per-token sums of grad_alpha: RN_T(g * v) for v = x_q or v = x (eager's
+/// elementwise product in T, before its fp32-accumulated sum over the features).
+template <typename T = float>
+QBL_HOST_DEVICE float grad_product(float g, float v) {
+  return detail::round_to<T>(detail::mul_rn(g, v));
+}
+
+/// dL/dalpha for one token from the two fp32 sums over its features, sum_q = sum_f RN_T(g * x_q)
+/// and sum_x = sum_f RN_T(g * x): each sum rounded to T (eager's sum_to_size), then
+/// RN_T(sum_q - sum_x) (the rsub's negated gradient added to the other).
+template <typename T = float>
+QBL_HOST_DEVICE float grad_alpha_value(float sum_q, float sum_x) {
+  return detail::round_to<T>(
+      detail::sub_rn(detail::round_to<T>(sum_q), detail::round_to<T>(sum_x)));
+}
+
+/// dL/dlogit = sigmoid_backward(grad_alpha, alpha) as eager's kernel computes it: in fp32,
+/// grad_alpha * (1 - alpha) * alpha left to right, rounded once to T (its 1 - alpha is not
+/// rounded to T, unlike the forward's).
+template <typename T = float>
+QBL_HOST_DEVICE float grad_logit_value(float grad_alpha, float alpha) {
+  return detail::round_to<T>(
+      detail::mul_rn(detail::mul_rn(grad_alpha, detail::sub_rn(1.0f, alpha)), alpha));
 }
 
 }  // namespace qbl

@@ -28,6 +28,21 @@ struct Options {
   /// operands' size at construction, and pays off mostly at small token counts.
   bool autotune = false;
   int autotune_candidates = 8;
+
+  /// Plan the backward pass at construction (its two GEMMs, dgrad and wgrad) and allocate its
+  /// scratch, so that QuantBlendLinear::backward() can run. Off by default: an inference-only
+  /// instance plans and allocates nothing for the backward, and backward() throws.
+  bool backward = false;
+};
+
+/// The gradient that reaches x through the fake quantizer x_q = fake_quant(x, scale).
+enum class QuantGrad {
+  /// The reference module's: torch.round has a zero gradient, so x gets only the blend's direct
+  /// part, grad_x = g_mixed * (1 - alpha) (plus autograd's zero from the quantized branch).
+  zero,
+  /// The straight-through estimator (ModelSTE): the quantizer passes the gradient unchanged,
+  /// grad_x = g_mixed * alpha + g_mixed * (1 - alpha), each product and the sum rounded as eager.
+  straight_through,
 };
 
 }  // namespace qbl

@@ -11,5 +11,6 @@
 #include <qbl/gemm.hpp>
 #include <qbl/options.hpp>
 #include <qbl/quant_blend.cuh>
+#include <qbl/quant_blend_backward.cuh>
 #include <qbl/quant_blend_linear.cuh>
 #include <qbl/version.hpp>

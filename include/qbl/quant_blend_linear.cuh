@@ -1,4 +1,5 @@
-// qbl/quant_blend_linear.cuh -- the whole layer: amax -> quant-blend -> Linear, as one object.
+// qbl/quant_blend_linear.cuh -- the whole layer: amax -> quant-blend -> Linear, as one object,
+// forward and backward.
 //
 //   qbl::QuantBlendLinear<float> layer(in_features, out_features, max_tokens);
 //   layer.forward(d_x, d_logits, d_weight, d_bias, d_out, tokens, stream);
@@ -9,15 +10,25 @@
 //   mixed = alpha * (clamp(round(x / scale), -127, 127) * scale) + (1 - alpha) * x
 //   out   = mixed · weightᵀ + bias
 //
-// The object owns every device buffer and cuBLASLt object it uses; construction plans the GEMM
-// and allocates. forward() validates its arguments (throwing before anything is launched), then
-// enqueues two or three kernels and one cublasLtMatmul (or, where cuBLASLt has no
-// algorithm, qbl's fallback GEMM kernel) on `stream`: no allocation, no host
-// synchronization, no heuristic query, no copy to the host -- so it can be captured in a CUDA
-// graph, which stays valid for as long as the object lives.
+// Training (Options::backward = true): forward() into caller-provided `mixed` and statistics
+// buffers, which a framework keeps per call, then backward() from them:
 //
-// Thread safety: one instance serves one stream at a time (its `mixed` buffer and descriptors are
-// reused by every forward). Use one instance per concurrent stream.
+//   qbl::Options opt;  opt.backward = true;
+//   qbl::QuantBlendLinear<float> layer(in, out, max_tokens, opt);
+//   layer.forward(d_x, d_logits, d_w, d_b, d_out, tokens, d_mixed, d_stats, stream);  // saves both
+//   qbl::QuantBlendLinear<float>::Gradients g;
+//   g.x = d_grad_x;  g.logits = d_grad_logits;  g.weight = d_grad_w;  g.bias = d_grad_b;
+//   layer.backward(d_grad_out, d_x, d_logits, d_w, d_mixed, d_stats, tokens, g, stream);
+//
+// The object owns every device buffer and cuBLASLt object it uses; construction plans the GEMMs
+// and allocates. forward() and backward() validate their arguments (throwing before anything is
+// launched), then enqueue kernels and cublasLtMatmul calls (or, where cuBLASLt has no algorithm,
+// qbl's fallback GEMM kernel) on `stream`: no allocation, no host synchronization, no heuristic
+// query, no copy to the host -- so they can be captured in a CUDA graph, which stays valid for as
+// long as the object lives.
+//
+// Thread safety: one instance serves one stream at a time (its own buffers and descriptors are
+// reused by every call). Use one instance per concurrent stream.
 #pragma once
 
 #include <qbl/detail/handles.hpp>
@@ -26,11 +37,13 @@
 #include <qbl/gemm.hpp>
 #include <qbl/options.hpp>
 #include <qbl/quant_blend.cuh>
+#include <qbl/quant_blend_backward.cuh>
 
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 
 namespace qbl {
@@ -79,6 +92,56 @@ class QuantBlendLinear {
   void forward(const T* x, const T* logits, const T* weight, const T* bias, T* out,
                std::int64_t tokens, cudaStream_t stream = nullptr);
 
+  /// The same forward, keeping what backward() needs in the caller's buffers instead of the
+  /// instance's: `mixed` [tokens, in_features] in T and `stats` [stats_floats] floats, both on
+  /// the device (stats receives amax and the scale). A framework keeps one pair per call, so that
+  /// several forwards (micro-batches, the same layer used twice) can precede their backwards.
+  /// Neither may overlap an input or `out`; otherwise as forward() above.
+  void forward(const T* x, const T* logits, const T* weight, const T* bias, T* out,
+               std::int64_t tokens, T* mixed, float* stats, cudaStream_t stream = nullptr);
+
+  /// Floats in a `stats` buffer: [amax, scale].
+  static constexpr std::int64_t stats_floats = 2;
+
+  /// Where backward() writes; a null pointer skips that gradient and the work only it needs.
+  struct Gradients {
+    T* x = nullptr;        ///< [tokens, in_features]
+    T* logits = nullptr;   ///< [tokens]
+    T* weight = nullptr;   ///< [out_features, in_features]
+    T* bias = nullptr;     ///< [out_features]
+    /// weight and bias: add to what they hold (cuBLASLt's beta = 1; the bias as
+    /// RN_T(old + RN_T(sum))), as frameworks accumulate over micro-batches. x and logits are
+    /// always overwritten.
+    bool accumulate = false;
+    /// The gradient through the fake quantizer: the reference's zero, or straight-through.
+    QuantGrad quant_grad = QuantGrad::zero;
+  };
+
+  /// The backward of forward(), enqueued on `stream`. Needs Options::backward at construction.
+  ///
+  /// grad_out [tokens, out_features] is dL/dout; x, logits and weight are the forward's inputs;
+  /// `mixed` and `stats` are what the forward saved (pass nullptr for both to use the instance's
+  /// own, i.e. those of its last forward() without caller buffers). It computes, as the autograd
+  /// of the reference module:
+  ///   g_mixed     = grad_out · weight                           (dgrad GEMM, rounded to T)
+  ///   grad_x      = g_mixed * (1 - alpha)  [+ g_mixed * alpha with QuantGrad::straight_through]
+  ///   grad_logits = sigmoid_backward(sum_f g_mixed * x_q - sum_f g_mixed * x, alpha)
+  ///   grad_weight = grad_outᵀ · mixed                           (wgrad GEMM)
+  ///   grad_bias   = sum over tokens of grad_out                 (wgrad's BGRADB epilogue)
+  /// Only what a non-null output needs runs: no dgrad without grad_x or grad_logits, no wgrad
+  /// without grad_weight. x is read only for grad_logits, `mixed` only for grad_weight, the
+  /// scale for grad_x and grad_logits. g_mixed is formed in grad_x's buffer when grad_x is
+  /// wanted, else in the instance's scratch. tokens == 0 does nothing.
+  ///
+  /// \throws qbl::logic_error (no Options::backward, moved-from object), qbl::invalid_argument
+  ///         (a null input that a wanted output needs, a misaligned pointer, an output
+  ///         overlapping an input or another output, wrong current device), qbl::out_of_range
+  ///         (tokens > max_tokens) -- before anything is launched, so every output is untouched;
+  ///         qbl::cuda_error / qbl::cublas_error if a launch fails.
+  void backward(const T* grad_out, const T* x, const T* logits, const T* weight, const T* mixed,
+                const float* stats, std::int64_t tokens, const Gradients& grads,
+                cudaStream_t stream = nullptr);
+
   /// Will forward() with these pointers and `tokens` in [1, max_tokens] run its GEMM on cuBLASLt?
   /// False: on the fallback kernel, because cuBLASLt has no algorithm for the shape (bf16/fp16
   /// with an odd in_features, on an H200) or for the pointers' alignment (bf16 at 2 bytes).
@@ -100,27 +163,43 @@ class QuantBlendLinear {
   /// The GEMM stage, for its plan and autotuning record (LinearGemm::describe, ::tuning).
   const LinearGemm<T>& gemm() const noexcept { return gemm_; }
 
+  /// Was the backward planned (Options::backward)?
+  bool has_backward() const noexcept { return dgrad_ != nullptr; }
+
   std::int64_t in_features() const noexcept { return in_; }
   std::int64_t out_features() const noexcept { return out_; }
   std::int64_t max_tokens() const noexcept { return max_tokens_; }
   const Options& options() const noexcept { return options_; }
 
   /// Device bytes an instance allocates: the `mixed` buffer, the two statistics and the cuBLASLt
-  /// workspace. Callers who manage memory themselves can run the free functions (qbl::amax,
-  /// qbl::quant_blend, qbl::LinearGemm) over buffers of these sizes instead.
-  static std::size_t workspace_bytes(std::int64_t in_features, std::int64_t max_tokens,
-                                     const Options& options = {});
+  /// workspace, and with Options::backward a g_mixed scratch of [max_tokens, in_features] in T
+  /// and a vector of out_features in T.
+  /// Callers who manage memory themselves can run the free functions (qbl::amax,
+  /// qbl::quant_blend, qbl::quant_blend_backward, qbl::LinearGemm, qbl::GemmPlan) over buffers of
+  /// these sizes instead.
+  static std::size_t workspace_bytes(std::int64_t in_features, std::int64_t out_features,
+                                     std::int64_t max_tokens, const Options& options = {});
 
  private:
-  static constexpr std::size_t stats_bytes = 2 * sizeof(float);
+  static constexpr std::size_t stats_bytes = stats_floats * sizeof(float);
+
+  void check_forward(const T* x, const T* logits, const T* weight, const T* bias, const T* out,
+                     std::int64_t tokens) const;
+  void run_forward(const T* x, const T* logits, const T* weight, const T* bias, T* out,
+                   std::int64_t tokens, T* mixed, float* stats, cudaStream_t stream);
 
   std::int64_t in_ = 0, out_ = 0, max_tokens_ = 0;
   Options options_;
   int device_ = 0;
+  detail::LaunchLimits limits_;  // of device_, for T
   detail::device_buffer stats_;  // [amax, scale]
   detail::device_buffer mixed_;
   detail::device_buffer cublas_workspace_;
   LinearGemm<T> gemm_;
+  // Options::backward only: the dgrad and wgrad plans and g_mixed's scratch.
+  std::unique_ptr<GemmPlan<T>> dgrad_, wgrad_;
+  detail::device_buffer g_mixed_;
+  detail::device_buffer bias_scratch_;  // grad_bias from BGRADB before it is accumulated
 };
 
 }  // namespace qbl

@@ -83,26 +83,37 @@ std::int64_t aligned_head(const T* x, std::int64_t n) {
 
 }  // namespace qbl::detail
 
+namespace qbl::detail {
+
+/// qbl::amax with the device's multiprocessor count given (QuantBlendLinear computes it once).
+template <typename T>
+cudaError_t amax_launch(const T* d_x, std::int64_t n, float* d_amax, int sms, cudaStream_t stream) {
+  if (n < 0 || (n > 0 && d_x == nullptr) || d_amax == nullptr || sms < 1) return cudaErrorInvalidValue;
+  QBL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_amax, 0, sizeof(float), stream));
+  if (n == 0) return cudaSuccess;
+
+  constexpr int threads = amax_block_threads;
+  constexpr int N = vec16<T>;
+  const std::int64_t head = aligned_head(d_x, n);
+  const std::int64_t work = std::max<std::int64_t>((n - head) / N, 1);
+  // Enough resident blocks to fill every multiprocessor; each thread then loops.
+  const std::int64_t blocks =
+      std::min<std::int64_t>(ceil_div<std::int64_t>(work, threads), std::int64_t{sms} * 4);
+  amax_kernel<T, threads, N><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      d_x, n, head, reinterpret_cast<std::uint32_t*>(d_amax));
+  return cudaGetLastError();
+}
+
+}  // namespace qbl::detail
+
 namespace qbl {
 
 template <typename T>
 cudaError_t amax(const T* d_x, std::int64_t n, float* d_amax, cudaStream_t stream) {
   if (n < 0 || (n > 0 && d_x == nullptr) || d_amax == nullptr) return cudaErrorInvalidValue;
-  QBL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_amax, 0, sizeof(float), stream));
-  if (n == 0) return cudaSuccess;
-
-  constexpr int threads = detail::amax_block_threads;
-  constexpr int N = detail::vec16<T>;
   int sms = 0;
   QBL_CUDA_RETURN_IF_ERROR(detail::sm_count(&sms));
-  const std::int64_t head = detail::aligned_head(d_x, n);
-  const std::int64_t work = std::max<std::int64_t>((n - head) / N, 1);
-  // Enough resident blocks to fill every multiprocessor; each thread then loops.
-  const std::int64_t blocks =
-      std::min<std::int64_t>(detail::ceil_div<std::int64_t>(work, threads), std::int64_t{sms} * 4);
-  detail::amax_kernel<T, threads, N><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      d_x, n, head, reinterpret_cast<std::uint32_t*>(d_amax));
-  return cudaGetLastError();
+  return detail::amax_launch(d_x, n, d_amax, sms, stream);
 }
 
 }  // namespace qbl

@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace qbl::detail {
@@ -87,24 +88,23 @@ using event_ptr = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, cuda_event
 
 namespace qbl {
 
-/// Operands for timing candidates at construction; freed when planning ends.
+/// Operands for the trial launches and for timing candidates at construction; freed when planning
+/// ends. Zeroed, so that trial launches read initialized memory.
 template <typename T>
-struct LinearGemm<T>::Scratch {
-  detail::device_buffer a, w, bias, out, workspace;
+struct GemmPlan<T>::Scratch {
+  detail::device_buffer a, b, d, vector, workspace;
   detail::stream_ptr stream;
   detail::event_ptr start, stop;
 };
 
 template <typename T>
-LinearGemm<T>::LinearGemm(std::int64_t in_features, std::int64_t out_features,
-                          std::int64_t max_tokens, const Options& options)
-    : k_(in_features),
-      m_(out_features),
-      max_tokens_(max_tokens),
-      workspace_bytes_(options.cublas_workspace_bytes) {
-  QBL_EXPECTS(in_features > 0 && out_features > 0, qbl::invalid_argument,
+GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Options& options)
+    : spec_(spec), max_tokens_(max_tokens), workspace_bytes_(options.cublas_workspace_bytes) {
+  const bool tokens_n = spec.tokens == GemmSpec::Tokens::n;
+  QBL_EXPECTS(spec.m > 0 && (tokens_n ? spec.k > 0 : spec.n > 0), qbl::invalid_argument,
               "features must be positive");
   QBL_EXPECTS(max_tokens > 0, qbl::invalid_argument, "max_tokens must be positive");
+  (tokens_n ? spec_.n : spec_.k) = max_tokens;
   autotune_candidates_ = options.autotune ? std::clamp(options.autotune_candidates, 1, 16) : 0;
 
   constexpr cudaDataType_t type = gemm_traits<T>::data_type;
@@ -112,24 +112,35 @@ LinearGemm<T>::LinearGemm(std::int64_t in_features, std::int64_t out_features,
   QBL_CUBLAS_TRY(cublasLtCreate(&h));
   handle_.reset(h);
 
-  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
-  for (int has_bias = 0; has_bias < 2; ++has_bias) {
+  for (int vec = 0; vec < 2; ++vec) {
+    if (vec == 1 && spec_.vector_epilogue == CUBLASLT_EPILOGUE_DEFAULT) continue;
     cublasLtMatmulDesc_t d = nullptr;
     QBL_CUBLAS_TRY(cublasLtMatmulDescCreate(&d, gemm_traits<T>::compute_type(options), CUDA_R_32F));
-    desc_[has_bias].reset(d);
-    detail::set_desc(d, CUBLASLT_MATMUL_DESC_TRANSA, trans_a);
-    detail::set_desc(d, CUBLASLT_MATMUL_DESC_TRANSB, trans_b);
-    const cublasLtEpilogue_t epilogue = has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    desc_[vec].reset(d);
+    detail::set_desc(d, CUBLASLT_MATMUL_DESC_TRANSA, spec_.trans_a);
+    detail::set_desc(d, CUBLASLT_MATMUL_DESC_TRANSB, spec_.trans_b);
+    const cublasLtEpilogue_t epilogue = vec ? spec_.vector_epilogue : CUBLASLT_EPILOGUE_DEFAULT;
     detail::set_desc(d, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
-    if (has_bias && type != CUDA_R_32F) {
-      // The bias vector is stored in T (as nn.Linear's); it is added to the fp32 accumulator.
+    if (vec && type != CUDA_R_32F) {
+      // The vector is stored in T (as nn.Linear's bias and its gradient); the epilogue works on
+      // the fp32 accumulator.
       detail::set_desc(d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, type);
     }
   }
-  // Column-major views: w is k x m (ld k) used transposed, a is k x n (ld k), out is m x n (ld m).
-  a_layout_ = detail::make_layout(type, k_, m_, k_);
-  b_layout_ = detail::make_layout(type, k_, max_tokens_, k_);
-  c_layout_ = detail::make_layout(type, m_, max_tokens_, m_);
+  // Column-major views of contiguous operands: A stored m x k (or k x m transposed), B k x n (or
+  // n x k), D m x n, each with ld = its stored rows. The token count is always a stored column
+  // count (n of B and D, or k of A and B), so run() changes only those.
+  const bool ta = spec_.trans_a != CUBLAS_OP_N, tb = spec_.trans_b != CUBLAS_OP_N;
+  const std::int64_t a_rows = ta ? spec_.k : spec_.m, a_cols = ta ? spec_.m : spec_.k;
+  const std::int64_t b_rows = tb ? spec_.n : spec_.k, b_cols = tb ? spec_.k : spec_.n;
+  QBL_EXPECTS(tokens_n ? !tb : !ta, qbl::invalid_argument,
+              "the token count must be a stored column count of every operand that has it");
+  a_tokens_ = !tokens_n;
+  b_tokens_ = true;
+  d_tokens_ = tokens_n;
+  a_layout_ = detail::make_layout(type, a_rows, a_cols, a_rows);
+  b_layout_ = detail::make_layout(type, b_rows, b_cols, b_rows);
+  d_layout_ = detail::make_layout(type, spec_.m, spec_.n, spec_.m);
 
   for (int cls = 0; cls < align_classes; ++cls) {
     if (class_bytes[cls] < sizeof(T)) continue;
@@ -146,37 +157,46 @@ LinearGemm<T>::LinearGemm(std::int64_t in_features, std::int64_t out_features,
     }
   }
 
+  // Scratch operands of the largest size, 256 bytes of slack each so that a trial can place its
+  // pointers at exactly a class's alignment.
+  Scratch scratch;
+  constexpr std::size_t slack = 256;
+  auto zeroed = [](std::size_t bytes) {
+    detail::device_buffer b(bytes);
+    QBL_CUDA_TRY(cudaMemset(b.get(), 0, bytes));
+    return b;
+  };
+  scratch.a = zeroed(static_cast<std::size_t>(a_rows * a_cols) * sizeof(T) + slack);
+  scratch.b = zeroed(static_cast<std::size_t>(b_rows * b_cols) * sizeof(T) + slack);
+  scratch.d = zeroed(static_cast<std::size_t>(spec_.m * spec_.n) * sizeof(T) + slack);
+  scratch.vector = zeroed(static_cast<std::size_t>(std::max(spec_.m, spec_.n)) * sizeof(T) + slack);
+  scratch.workspace = detail::device_buffer(workspace_bytes_);
+  if (autotune_candidates_ > 0) {
+    for (auto* b : {&scratch.a, &scratch.b, &scratch.vector})
+      detail::fill_scratch(b->get(), b->bytes(), sizeof(T));
+  }
+  cudaStream_t s = nullptr;
+  QBL_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  scratch.stream.reset(s);
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  QBL_CUDA_TRY(cudaEventCreate(&e0));
+  scratch.start.reset(e0);
+  QBL_CUDA_TRY(cudaEventCreate(&e1));
+  scratch.stop.reset(e1);
+
   buckets_ = detail::token_buckets(max_tokens_);
   plans_.resize(buckets_.size());
-  std::unique_ptr<Scratch> scratch;
-  if (autotune_candidates_ > 0) {
-    scratch = std::make_unique<Scratch>();
-    scratch->a = detail::device_buffer(static_cast<std::size_t>(max_tokens_ * k_) * sizeof(T));
-    scratch->w = detail::device_buffer(static_cast<std::size_t>(m_ * k_) * sizeof(T));
-    scratch->bias = detail::device_buffer(static_cast<std::size_t>(m_) * sizeof(T));
-    scratch->out = detail::device_buffer(static_cast<std::size_t>(max_tokens_ * m_) * sizeof(T));
-    scratch->workspace = detail::device_buffer(workspace_bytes_);
-    for (auto* b : {&scratch->a, &scratch->w, &scratch->bias}) detail::fill_scratch(b->get(), b->bytes(), sizeof(T));
-    cudaStream_t s = nullptr;
-    QBL_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    scratch->stream.reset(s);
-    cudaEvent_t e0 = nullptr, e1 = nullptr;
-    QBL_CUDA_TRY(cudaEventCreate(&e0));
-    scratch->start.reset(e0);
-    QBL_CUDA_TRY(cudaEventCreate(&e1));
-    scratch->stop.reset(e1);
-  }
-  if (scratch) warm_up(*scratch);
-  for (std::size_t i = 0; i < buckets_.size(); ++i) plan_bucket(i, scratch.get());
-  if (scratch) QBL_CUDA_TRY(cudaStreamSynchronize(scratch->stream.get()));
+  if (autotune_candidates_ > 0) warm_up(scratch);
+  for (std::size_t i = 0; i < buckets_.size(); ++i) plan_bucket(i, scratch);
+  QBL_CUDA_TRY(cudaStreamSynchronize(scratch.stream.get()));
 }
 
 template <typename T>
-int LinearGemm<T>::alignment_class(const void* a, const void* w, const void* bias,
-                                   const void* out) noexcept {
+int GemmPlan<T>::alignment_class(const void* a, const void* b, const void* vector,
+                                 const void* d) noexcept {
   auto all = [&](std::size_t bytes) {
-    return detail::is_aligned(a, bytes) && detail::is_aligned(w, bytes) &&
-           detail::is_aligned(out, bytes) && (bias == nullptr || detail::is_aligned(bias, bytes));
+    return detail::is_aligned(a, bytes) && detail::is_aligned(b, bytes) &&
+           detail::is_aligned(d, bytes) && (vector == nullptr || detail::is_aligned(vector, bytes));
   };
   int cls = 0;
   while (cls + 1 < align_classes && !all(class_bytes[cls])) ++cls;
@@ -184,36 +204,36 @@ int LinearGemm<T>::alignment_class(const void* a, const void* w, const void* bia
 }
 
 template <typename T>
-std::size_t LinearGemm<T>::bucket_of(std::int64_t tokens) const noexcept {
+std::size_t GemmPlan<T>::bucket_of(std::int64_t tokens) const noexcept {
   return static_cast<std::size_t>(std::lower_bound(buckets_.begin(), buckets_.end(), tokens) -
                                   buckets_.begin());
 }
 
 template <typename T>
-bool LinearGemm<T>::supports(const T* a, const T* w, const T* bias, const T* out,
-                             std::int64_t tokens) const noexcept {
+bool GemmPlan<T>::supports(const T* a, const T* b, const void* vector, const T* d,
+                           std::int64_t tokens) const noexcept {
   if (tokens < 1 || tokens > max_tokens_ || plans_.empty()) return false;
-  return plans_[bucket_of(tokens)].found[bias != nullptr ? 1 : 0][alignment_class(a, w, bias, out)];
+  return plans_[bucket_of(tokens)].found[vector != nullptr ? 1 : 0][alignment_class(a, b, vector, d)];
 }
 
 template <typename T>
-void LinearGemm<T>::set_tokens(std::int64_t tokens) {
+void GemmPlan<T>::set_tokens(std::int64_t tokens) {
   const auto n = static_cast<std::uint64_t>(tokens);
-  detail::set_layout(b_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, n);
-  detail::set_layout(c_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, n);
+  if (a_tokens_) detail::set_layout(a_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, n);
+  if (b_tokens_) detail::set_layout(b_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, n);
+  if (d_tokens_) detail::set_layout(d_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, n);
 }
 
 // cuBLASLt must accept the algorithm at both ends of the bucket, within the workspace.
 template <typename T>
-bool LinearGemm<T>::valid_for_bucket(const cublasLtMatmulAlgo_t& algo, int has_bias, std::size_t i) {
+bool GemmPlan<T>::valid_for_bucket(const cublasLtMatmulAlgo_t& algo, int vec, std::size_t i) {
   const std::int64_t hi = buckets_[i];
   const std::int64_t lo = i == 0 ? 1 : buckets_[i - 1] + 1;
   for (std::int64_t n : {lo, hi}) {
     set_tokens(n);
     cublasLtMatmulHeuristicResult_t check = {};
-    if (cublasLtMatmulAlgoCheck(handle_.get(), desc_[has_bias].get(), a_layout_.get(),
-                                b_layout_.get(), c_layout_.get(), c_layout_.get(), &algo,
-                                &check) != CUBLAS_STATUS_SUCCESS ||
+    if (cublasLtMatmulAlgoCheck(handle_.get(), desc_[vec].get(), a_layout_.get(), b_layout_.get(),
+                                d_layout_.get(), d_layout_.get(), &algo, &check) != CUBLAS_STATUS_SUCCESS ||
         check.workspaceSize > workspace_bytes_) {
       return false;
     }
@@ -221,20 +241,40 @@ bool LinearGemm<T>::valid_for_bucket(const cublasLtMatmulAlgo_t& algo, int has_b
   return true;
 }
 
+// One product on the scratch operands, every pointer aligned to exactly class_bytes[cls].
+template <typename T>
+cublasStatus_t GemmPlan<T>::launch(const cublasLtMatmulAlgo_t& algo, int vec, std::int64_t tokens,
+                                   int cls, Scratch& s) {
+  set_tokens(tokens);
+  const std::size_t off = cls == 0 ? 0 : class_bytes[cls];
+  auto at = [off](const detail::device_buffer& b) { return static_cast<char*>(b.get()) + off; };
+  if (vec) {
+    const void* v = at(s.vector);
+    const cublasStatus_t st = cublasLtMatmulDescSetAttribute(
+        desc_[1].get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, &v, sizeof v);
+    if (st != CUBLAS_STATUS_SUCCESS) return st;
+  }
+  const float one = 1.0f, zero = 0.0f;
+  return cublasLtMatmul(handle_.get(), desc_[vec].get(), &one, at(s.a), a_layout_.get(), at(s.b),
+                        b_layout_.get(), &zero, at(s.d), d_layout_.get(), at(s.d), d_layout_.get(),
+                        &algo, s.workspace.get(), workspace_bytes_, s.stream.get());
+}
+
 // Runs the largest product for a while so that candidates are timed at working clocks, not while
 // the GPU ramps up from idle (which would make whichever candidate runs first look slow).
 template <typename T>
-void LinearGemm<T>::warm_up(Scratch& s) {
+void GemmPlan<T>::warm_up(Scratch& s) {
+  const int vec = desc_[1] ? 1 : 0;
   cublasLtMatmulHeuristicResult_t result = {};
   int found = 0;
   set_tokens(max_tokens_);
-  QBL_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(handle_.get(), desc_[1].get(), a_layout_.get(),
-                                                b_layout_.get(), c_layout_.get(), c_layout_.get(),
+  QBL_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(handle_.get(), desc_[vec].get(), a_layout_.get(),
+                                                b_layout_.get(), d_layout_.get(), d_layout_.get(),
                                                 pref_[0].get(), 1, &result, &found));
   if (found == 0) return;
   float total = 0.0f;
   for (int i = 0; i < 200 && total < 25.0f; ++i) {
-    const float t = time_algo(result.algo, 1, max_tokens_, s, 1);
+    const float t = time_algo(result.algo, vec, max_tokens_, s, 1);
     if (!(t < std::numeric_limits<float>::infinity())) return;
     total += t;
   }
@@ -242,27 +282,18 @@ void LinearGemm<T>::warm_up(Scratch& s) {
 
 // Median of `reps` event-timed runs after one warm-up; +inf if the algorithm fails to run.
 template <typename T>
-float LinearGemm<T>::time_algo(const cublasLtMatmulAlgo_t& algo, int has_bias, std::int64_t tokens,
-                               Scratch& s, int reps) {
+float GemmPlan<T>::time_algo(const cublasLtMatmulAlgo_t& algo, int vec, std::int64_t tokens,
+                             Scratch& s, int reps) {
   constexpr int max_reps = 16;
   reps = std::clamp(reps, 1, max_reps);
-  set_tokens(tokens);
-  const void* bias = s.bias.get();
-  QBL_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc_[1].get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                &bias, sizeof bias));
-  const float one = 1.0f, zero = 0.0f;
-  auto launch = [&] {
-    return cublasLtMatmul(handle_.get(), desc_[has_bias].get(), &one, s.w.get(), a_layout_.get(),
-                          s.a.get(), b_layout_.get(), &zero, s.out.get(), c_layout_.get(),
-                          s.out.get(), c_layout_.get(), &algo, s.workspace.get(), workspace_bytes_,
-                          s.stream.get());
-  };
-  if (launch() != CUBLAS_STATUS_SUCCESS) return std::numeric_limits<float>::infinity();
+  if (launch(algo, vec, tokens, 0, s) != CUBLAS_STATUS_SUCCESS)
+    return std::numeric_limits<float>::infinity();
   float ms[max_reps];
   for (int r = 0; r < reps; ++r) {
     float& t = ms[r];
     QBL_CUDA_TRY(cudaEventRecord(s.start.get(), s.stream.get()));
-    if (launch() != CUBLAS_STATUS_SUCCESS) return std::numeric_limits<float>::infinity();
+    if (launch(algo, vec, tokens, 0, s) != CUBLAS_STATUS_SUCCESS)
+      return std::numeric_limits<float>::infinity();
     QBL_CUDA_TRY(cudaEventRecord(s.stop.get(), s.stream.get()));
     QBL_CUDA_TRY(cudaEventSynchronize(s.stop.get()));
     QBL_CUDA_TRY(cudaEventElapsedTime(&t, s.start.get(), s.stop.get()));
@@ -271,43 +302,49 @@ float LinearGemm<T>::time_algo(const cublasLtMatmulAlgo_t& algo, int has_bias, s
   return ms[reps / 2];
 }
 
-// Per bias case and alignment class: the best heuristic candidate valid over the whole bucket --
-// cuBLASLt's first choice, or with autotuning (256-byte class) the fastest one measured.
+// Per epilogue case and alignment class: the best heuristic candidate valid over the whole bucket
+// -- cuBLASLt's first choice, or with autotuning (256-byte class) the fastest one measured --
+// and, below 16-byte alignment, one that cublasLtMatmul accepts at a trial launch with the
+// bucket's smallest token count.
 template <typename T>
-void LinearGemm<T>::plan_bucket(std::size_t i, Scratch* scratch) {
+void GemmPlan<T>::plan_bucket(std::size_t i, Scratch& scratch) {
   constexpr int max_candidates = 16;
   const std::int64_t hi = buckets_[i];
-  for (int has_bias = 0; has_bias < 2; ++has_bias) {
+  const std::int64_t lo = i == 0 ? 1 : buckets_[i - 1] + 1;
+  for (int vec = 0; vec < 2; ++vec) {
+    if (!desc_[vec]) continue;
     for (int cls = 0; cls < align_classes; ++cls) {
       if (class_bytes[cls] < sizeof(T)) continue;
-      const bool tune = scratch != nullptr && cls == 0;
+      const bool tune = autotune_candidates_ > 0 && cls == 0;
+      const bool trial = cls >= first_trial_class;
       const int wanted = tune ? autotune_candidates_ : 4;
       cublasLtMatmulHeuristicResult_t results[max_candidates] = {};
       int found = 0;
       set_tokens(hi);
       QBL_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(
-          handle_.get(), desc_[has_bias].get(), a_layout_.get(), b_layout_.get(), c_layout_.get(),
-          c_layout_.get(), pref_[cls].get(), wanted, results, &found));
+          handle_.get(), desc_[vec].get(), a_layout_.get(), b_layout_.get(), d_layout_.get(),
+          d_layout_.get(), pref_[cls].get(), wanted, results, &found));
       std::vector<int> valid;
       for (int r = 0; r < found; ++r) {
-        if (results[r].state == CUBLAS_STATUS_SUCCESS && valid_for_bucket(results[r].algo, has_bias, i)) {
-          valid.push_back(r);
-          if (!tune) break;
-        }
+        if (results[r].state != CUBLAS_STATUS_SUCCESS || !valid_for_bucket(results[r].algo, vec, i))
+          continue;
+        if (trial && launch(results[r].algo, vec, lo, cls, scratch) != CUBLAS_STATUS_SUCCESS) continue;
+        valid.push_back(r);
+        if (!tune) break;
       }
-      if (valid.empty()) continue;  // run() answers NOT_SUPPORTED for these
+      if (valid.empty()) continue;  // supports() is false here; run() answers NOT_SUPPORTED
       int best = valid.front();
       if (tune) {
         GemmTuning rec;
         rec.tokens = hi;
-        rec.bias = has_bias != 0;
+        rec.bias = vec != 0;
         rec.candidates = static_cast<int>(valid.size());
         // Two rounds over the candidates, each candidate's best round counting: a transient
         // (clock change, another process) rarely hits the same candidate twice.
         std::vector<float> ms(valid.size(), std::numeric_limits<float>::infinity());
         for (int round = 0; round < 2; ++round)
           for (std::size_t v = 0; v < valid.size(); ++v)
-            ms[v] = std::min(ms[v], time_algo(results[valid[v]].algo, has_bias, hi, *scratch, 5));
+            ms[v] = std::min(ms[v], time_algo(results[valid[v]].algo, vec, hi, scratch, 5));
         float best_ms = std::numeric_limits<float>::infinity();
         for (std::size_t v = 0; v < valid.size(); ++v) {
           const int r = valid[v];
@@ -325,18 +362,18 @@ void LinearGemm<T>::plan_bucket(std::size_t i, Scratch* scratch) {
         rec.chosen_ms = best_ms;
         tuning_.push_back(rec);
       }
-      plans_[i].algo[has_bias][cls] = results[best].algo;
-      plans_[i].found[has_bias][cls] = true;
+      plans_[i].algo[vec][cls] = results[best].algo;
+      plans_[i].found[vec][cls] = true;
     }
   }
 }
 
 template <typename T>
-std::string LinearGemm<T>::describe(std::int64_t tokens, bool bias) const {
+std::string GemmPlan<T>::describe(std::int64_t tokens, bool vector) const {
   if (tokens < 1 || tokens > max_tokens_ || plans_.empty()) return "none";
   const Plan& plan = plans_[bucket_of(tokens)];
-  if (!plan.found[bias ? 1 : 0][0]) return "none";
-  const cublasLtMatmulAlgo_t& algo = plan.algo[bias ? 1 : 0][0];
+  if (!plan.found[vector ? 1 : 0][0]) return "none";
+  const cublasLtMatmulAlgo_t& algo = plan.algo[vector ? 1 : 0][0];
   auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr) -> long long {
     // The size passed must be the attribute's own: ask for it first.
     std::size_t size = 0;
@@ -359,31 +396,32 @@ std::string LinearGemm<T>::describe(std::int64_t tokens, bool bias) const {
 }
 
 template <typename T>
-cublasStatus_t LinearGemm<T>::run(const T* a, const T* w, const T* bias, T* out,
-                                  std::int64_t tokens, void* workspace, cudaStream_t stream) {
+cublasStatus_t GemmPlan<T>::run(const T* a, const T* b, T* d, const void* vector,
+                                std::int64_t tokens, float beta, void* workspace,
+                                cudaStream_t stream) {
   if (tokens < 0 || tokens > max_tokens_ || !handle_) return CUBLAS_STATUS_INVALID_VALUE;
   if (tokens == 0) return CUBLAS_STATUS_SUCCESS;
-  if (a == nullptr || w == nullptr || out == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+  if (a == nullptr || b == nullptr || d == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+  const int vec = vector != nullptr ? 1 : 0;
+  if (vec && !desc_[1]) return CUBLAS_STATUS_INVALID_VALUE;
   const std::size_t bucket = bucket_of(tokens);
-  const int cls = alignment_class(a, w, bias, out);
-  const int has_bias = bias != nullptr ? 1 : 0;
-  if (!plans_[bucket].found[has_bias][cls]) return CUBLAS_STATUS_NOT_SUPPORTED;
+  const int cls = alignment_class(a, b, vector, d);
+  if (!plans_[bucket].found[vec][cls]) return CUBLAS_STATUS_NOT_SUPPORTED;
   const auto n = static_cast<std::uint64_t>(tokens);
-  cublasStatus_t s = cublasLtMatrixLayoutSetAttribute(b_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, &n, sizeof n);
-  if (s == CUBLAS_STATUS_SUCCESS)
-    s = cublasLtMatrixLayoutSetAttribute(c_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, &n, sizeof n);
-  if (s == CUBLAS_STATUS_SUCCESS && has_bias)
-    s = cublasLtMatmulDescSetAttribute(desc_[1].get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias);
+  cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
+  for (auto [on, layout] : {std::pair{a_tokens_, a_layout_.get()}, std::pair{b_tokens_, b_layout_.get()},
+                            std::pair{d_tokens_, d_layout_.get()}}) {
+    if (on && s == CUBLAS_STATUS_SUCCESS)
+      s = cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_COLS, &n, sizeof n);
+  }
+  if (s == CUBLAS_STATUS_SUCCESS && vec)
+    s = cublasLtMatmulDescSetAttribute(desc_[1].get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vector,
+                                       sizeof vector);
   if (s != CUBLAS_STATUS_SUCCESS) return s;
-  const float one = 1.0f, zero = 0.0f;
-  s = cublasLtMatmul(handle_.get(), desc_[has_bias].get(), &one, w, a_layout_.get(), a,
-                     b_layout_.get(), &zero, out, c_layout_.get(), out, c_layout_.get(),
-                     &plans_[bucket].algo[has_bias][cls], workspace, workspace_bytes_, stream);
-  // cuBLASLt checks the actual pointers at launch and can refuse, before enqueuing anything, an
-  // algorithm its heuristic offered for their alignment class (bf16 at 2 bytes on an H200):
-  // remember it, so that supports() says so from now on.
-  if (s == CUBLAS_STATUS_NOT_SUPPORTED) plans_[bucket].found[has_bias][cls] = false;
-  return s;
+  const float one = 1.0f;
+  return cublasLtMatmul(handle_.get(), desc_[vec].get(), &one, a, a_layout_.get(), b,
+                        b_layout_.get(), &beta, d, d_layout_.get(), d, d_layout_.get(),
+                        &plans_[bucket].algo[vec][cls], workspace, workspace_bytes_, stream);
 }
 
 }  // namespace qbl

@@ -185,25 +185,41 @@ cudaError_t check_quant_blend_args(const T* x, const T* logits, const void* mixe
   return cudaSuccess;
 }
 
+/// What the launchers need to know of the device, asked once: QuantBlendLinear at construction,
+/// the free functions per call (they must work on whatever device is current).
+struct LaunchLimits {
+  int sms = 0;          ///< multiprocessors
+  int resident[2] = {}; ///< resident quant_blend_kernel blocks per multiprocessor: [scalar, vector]
+};
+
+template <typename T, int N>
+cudaError_t resident_quant_blend_blocks(int* n) {
+  *n = 0;
+  QBL_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      n, quant_blend_kernel<T, quant_blend_block_threads, N>, quant_blend_block_threads, 0));
+  if (*n < 1) *n = 1;
+  return cudaSuccess;
+}
+
+/// The current device's limits for element type T (no synchronization, no allocation).
+template <typename T>
+cudaError_t launch_limits(LaunchLimits* limits) {
+  QBL_CUDA_RETURN_IF_ERROR(sm_count(&limits->sms));
+  QBL_CUDA_RETURN_IF_ERROR((resident_quant_blend_blocks<T, 1>(&limits->resident[0])));
+  return resident_quant_blend_blocks<T, vec16<T>>(&limits->resident[1]);
+}
+
 template <typename T, int N>
 cudaError_t launch_quant_blend(const T* x, const T* logits, const float* amax, T* mixed,
                                std::int64_t tokens, std::int64_t features, float* scale,
-                               cudaStream_t stream) {
+                               const LaunchLimits& limits, cudaStream_t stream) {
   constexpr int threads = quant_blend_block_threads;
-  int sms = 0;
-  QBL_CUDA_RETURN_IF_ERROR(sm_count(&sms));
   constexpr std::int64_t tile = std::int64_t{threads} * vectors_in_flight;
   const std::int64_t cols = features / N;
   // One wave of resident blocks at most; each block then loops over tiles.
-  static const int resident = [] {
-    int n = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, quant_blend_kernel<T, threads, N>,
-                                                         threads, 0) == cudaSuccess && n > 0
-               ? n
-               : 1;
-  }();
+  const int resident = limits.resident[N == 1 ? 0 : 1];
   const std::int64_t blocks =
-      std::min<std::int64_t>(ceil_div(tokens * cols, tile), std::int64_t{sms} * resident);
+      std::min<std::int64_t>(ceil_div(tokens * cols, tile), std::int64_t{limits.sms} * resident);
   // Launched as a programmatic dependent of the kernel before it (the amax): it may start, and
   // issue its loads of x and logits, while that kernel drains; it reads amax only after
   // cudaGridDependencySynchronize(). After any other work the attribute changes nothing.
@@ -234,6 +250,40 @@ cudaError_t launch_single_block(const T* x, const T* logits, T* mixed, std::int6
   return cudaGetLastError();
 }
 
+template <typename T>
+cudaError_t quant_blend_with(const T* d_x, const T* d_logits, const float* d_amax, T* d_mixed,
+                             std::int64_t tokens, std::int64_t features, float* d_scale,
+                             const LaunchLimits& limits, cudaStream_t stream) {
+  QBL_CUDA_RETURN_IF_ERROR(check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
+  if (d_amax == nullptr) return cudaErrorInvalidValue;
+  if (tokens == 0) return cudaSuccess;
+  if (rows_vectorizable(d_x, d_mixed, features)) {
+    return launch_quant_blend<T, vec16<T>>(d_x, d_logits, d_amax, d_mixed, tokens, features,
+                                           d_scale, limits, stream);
+  }
+  return launch_quant_blend<T, 1>(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale,
+                                  limits, stream);
+}
+
+/// qbl::amax_quant_blend with the device's limits given (QuantBlendLinear asks for them once).
+template <typename T>
+cudaError_t amax_quant_blend_with(const T* d_x, const T* d_logits, T* d_mixed, std::int64_t tokens,
+                                  std::int64_t features, float* d_amax, float* d_scale,
+                                  const LaunchLimits& limits, cudaStream_t stream) {
+  QBL_CUDA_RETURN_IF_ERROR(check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
+  if (d_amax == nullptr) return cudaErrorInvalidValue;
+  if (tokens == 0) return cudaSuccess;
+  const bool vec = rows_vectorizable(d_x, d_mixed, features);
+  if (tokens * features <= amax_quant_blend_single_block_elements) {
+    return vec ? launch_single_block<T, vec16<T>>(d_x, d_logits, d_mixed, tokens, features,
+                                                  d_amax, d_scale, stream)
+               : launch_single_block<T, 1>(d_x, d_logits, d_mixed, tokens, features, d_amax,
+                                           d_scale, stream);
+  }
+  QBL_CUDA_RETURN_IF_ERROR(amax_launch(d_x, tokens * features, d_amax, limits.sms, stream));
+  return quant_blend_with(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, limits, stream);
+}
+
 }  // namespace qbl::detail
 
 namespace qbl {
@@ -245,12 +295,10 @@ cudaError_t quant_blend(const T* d_x, const T* d_logits, const float* d_amax, T*
   QBL_CUDA_RETURN_IF_ERROR(detail::check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
   if (d_amax == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
-  if (detail::rows_vectorizable(d_x, d_mixed, features)) {
-    return detail::launch_quant_blend<T, detail::vec16<T>>(d_x, d_logits, d_amax, d_mixed, tokens,
-                                                           features, d_scale, stream);
-  }
-  return detail::launch_quant_blend<T, 1>(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale,
-                                          stream);
+  detail::LaunchLimits limits;
+  QBL_CUDA_RETURN_IF_ERROR(detail::launch_limits<T>(&limits));
+  return detail::quant_blend_with(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, limits,
+                                  stream);
 }
 
 template <typename T>
@@ -260,15 +308,10 @@ cudaError_t amax_quant_blend(const T* d_x, const T* d_logits, T* d_mixed, std::i
   QBL_CUDA_RETURN_IF_ERROR(detail::check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
   if (d_amax == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
-  const bool vec = detail::rows_vectorizable(d_x, d_mixed, features);
-  if (tokens * features <= amax_quant_blend_single_block_elements) {
-    return vec ? detail::launch_single_block<T, detail::vec16<T>>(d_x, d_logits, d_mixed, tokens,
-                                                                  features, d_amax, d_scale, stream)
-               : detail::launch_single_block<T, 1>(d_x, d_logits, d_mixed, tokens, features, d_amax,
-                                                   d_scale, stream);
-  }
-  QBL_CUDA_RETURN_IF_ERROR(amax(d_x, tokens * features, d_amax, stream));
-  return quant_blend(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, stream);
+  detail::LaunchLimits limits;
+  QBL_CUDA_RETURN_IF_ERROR(detail::launch_limits<T>(&limits));
+  return detail::amax_quant_blend_with(d_x, d_logits, d_mixed, tokens, features, d_amax, d_scale,
+                                       limits, stream);
 }
 
 }  // namespace qbl

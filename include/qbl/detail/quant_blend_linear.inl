@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <utility>
 
 namespace qbl::detail {
 
@@ -47,10 +48,12 @@ inline int validated_device(std::int64_t in_features, std::int64_t out_features,
 namespace qbl {
 
 template <typename T>
-std::size_t QuantBlendLinear<T>::workspace_bytes(std::int64_t in_features, std::int64_t max_tokens,
+std::size_t QuantBlendLinear<T>::workspace_bytes(std::int64_t in_features,
+                                                 std::int64_t out_features, std::int64_t max_tokens,
                                                  const Options& options) {
-  return stats_bytes + detail::checked_bytes(max_tokens, in_features, sizeof(T)) +
-         options.cublas_workspace_bytes;
+  const std::size_t rows = detail::checked_bytes(max_tokens, in_features, sizeof(T));
+  const std::size_t backward = rows + detail::checked_bytes(out_features, 1, sizeof(T));
+  return stats_bytes + rows + options.cublas_workspace_bytes + (options.backward ? backward : 0);
 }
 
 template <typename T>
@@ -65,18 +68,21 @@ QuantBlendLinear<T>::QuantBlendLinear(std::int64_t in_features, std::int64_t out
       mixed_(detail::checked_bytes(max_tokens, in_features, sizeof(T))),
       cublas_workspace_(options.cublas_workspace_bytes),
       gemm_(in_features, out_features, max_tokens, options) {
+  QBL_CUDA_TRY(detail::launch_limits<T>(&limits_));
+  if (options.backward) {
+    dgrad_ = std::make_unique<GemmPlan<T>>(GemmSpec::linear_dgrad(in_, out_), max_tokens_, options_);
+    wgrad_ = std::make_unique<GemmPlan<T>>(GemmSpec::linear_wgrad(in_, out_), max_tokens_, options_);
+    g_mixed_ = detail::device_buffer(detail::checked_bytes(max_tokens, in_features, sizeof(T)));
+    bias_scratch_ = detail::device_buffer(detail::checked_bytes(out_features, 1, sizeof(T)));
+  }
   // Zero the statistics and wait for it: a forward on any stream must never race this memset.
   QBL_CUDA_TRY(cudaMemsetAsync(stats_.get(), 0, stats_bytes, nullptr));
   QBL_CUDA_TRY(cudaStreamSynchronize(nullptr));
 }
 
 template <typename T>
-void QuantBlendLinear<T>::forward(const T* x, const T* logits, const T* weight, const T* bias,
-                                  T* out, std::int64_t tokens, cudaStream_t stream) {
-  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error, "forward() on a moved-from QuantBlendLinear");
-  QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
-  QBL_EXPECTS(tokens <= max_tokens_, qbl::out_of_range, "tokens exceeds max_tokens");
-  if (tokens == 0) return;
+void QuantBlendLinear<T>::check_forward(const T* x, const T* logits, const T* weight, const T* bias,
+                                        const T* out, std::int64_t tokens) const {
   QBL_EXPECTS(x != nullptr && logits != nullptr && weight != nullptr && out != nullptr,
               qbl::invalid_argument, "x, logits, weight and out must not be null");
   for (const void* p : {static_cast<const void*>(x), static_cast<const void*>(logits),
@@ -93,16 +99,154 @@ void QuantBlendLinear<T>::forward(const T* x, const T* logits, const T* weight, 
               qbl::invalid_argument, "out must not overlap x, logits, weight or bias");
   QBL_EXPECTS(detail::current_device() == device_, qbl::invalid_argument,
               "forward() must run on the device the layer was constructed on");
+}
 
-  float* stats = stats_.as<float>();
-  T* mixed = mixed_.as<T>();
-  QBL_CUDA_TRY(amax_quant_blend(x, logits, mixed, tokens, in_, stats, stats + 1, stream));
-  const cublasStatus_t gemm = gemm_.run(mixed, weight, bias, out, tokens, cublas_workspace_.get(), stream);
-  if (gemm == CUBLAS_STATUS_NOT_SUPPORTED) {  // nothing was enqueued: the fallback kernel instead
+template <typename T>
+void QuantBlendLinear<T>::run_forward(const T* x, const T* logits, const T* weight, const T* bias,
+                                      T* out, std::int64_t tokens, T* mixed, float* stats,
+                                      cudaStream_t stream) {
+  QBL_CUDA_TRY(detail::amax_quant_blend_with(x, logits, mixed, tokens, in_, stats, stats + 1,
+                                             limits_, stream));
+  if (gemm_.supports(mixed, weight, bias, out, tokens)) {
+    QBL_CUBLAS_TRY(gemm_.run(mixed, weight, bias, out, tokens, cublas_workspace_.get(), stream));
+  } else {
     QBL_CUDA_TRY(detail::linear_fallback(static_cast<const T*>(mixed), weight, bias, out, tokens,
                                          in_, out_, stream));
-  } else if (gemm != CUBLAS_STATUS_SUCCESS) {
-    detail::throw_cublas(gemm, "LinearGemm::run (cublasLtMatmul)", __FILE__, __LINE__);
+  }
+}
+
+template <typename T>
+void QuantBlendLinear<T>::forward(const T* x, const T* logits, const T* weight, const T* bias,
+                                  T* out, std::int64_t tokens, cudaStream_t stream) {
+  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error, "forward() on a moved-from QuantBlendLinear");
+  QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
+  QBL_EXPECTS(tokens <= max_tokens_, qbl::out_of_range, "tokens exceeds max_tokens");
+  if (tokens == 0) return;
+  check_forward(x, logits, weight, bias, out, tokens);
+  run_forward(x, logits, weight, bias, out, tokens, mixed_.as<T>(), stats_.as<float>(), stream);
+}
+
+template <typename T>
+void QuantBlendLinear<T>::forward(const T* x, const T* logits, const T* weight, const T* bias,
+                                  T* out, std::int64_t tokens, T* mixed, float* stats,
+                                  cudaStream_t stream) {
+  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error, "forward() on a moved-from QuantBlendLinear");
+  QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
+  QBL_EXPECTS(tokens <= max_tokens_, qbl::out_of_range, "tokens exceeds max_tokens");
+  if (tokens == 0) return;
+  check_forward(x, logits, weight, bias, out, tokens);
+  QBL_EXPECTS(mixed != nullptr && stats != nullptr, qbl::invalid_argument,
+              "mixed and stats must not be null");
+  QBL_EXPECTS(detail::is_aligned(mixed, sizeof(T)) && detail::is_aligned(stats, sizeof(float)),
+              qbl::invalid_argument, "pointers must be aligned to the element size");
+  const std::size_t mixed_bytes = detail::checked_bytes(tokens, in_, sizeof(T));
+  const std::size_t n_stats = static_cast<std::size_t>(stats_floats) * sizeof(float);
+  for (auto [p, bytes] : {std::pair<const void*, std::size_t>{x, mixed_bytes},
+                          {logits, detail::checked_bytes(tokens, 1, sizeof(T))},
+                          {weight, detail::checked_bytes(out_, in_, sizeof(T))},
+                          {bias, detail::checked_bytes(out_, 1, sizeof(T))},
+                          {out, detail::checked_bytes(tokens, out_, sizeof(T))}}) {
+    QBL_EXPECTS(!detail::overlaps(mixed, mixed_bytes, p, bytes) && !detail::overlaps(stats, n_stats, p, bytes),
+                qbl::invalid_argument, "mixed and stats must not overlap an input or out");
+  }
+  QBL_EXPECTS(!detail::overlaps(mixed, mixed_bytes, stats, n_stats), qbl::invalid_argument,
+              "mixed and stats must not overlap each other");
+  run_forward(x, logits, weight, bias, out, tokens, mixed, stats, stream);
+}
+
+template <typename T>
+void QuantBlendLinear<T>::backward(const T* grad_out, const T* x, const T* logits, const T* weight,
+                                   const T* mixed, const float* stats, std::int64_t tokens,
+                                   const Gradients& grads, cudaStream_t stream) {
+  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error, "backward() on a moved-from QuantBlendLinear");
+  QBL_EXPECTS(has_backward(), qbl::logic_error,
+              "backward() needs a QuantBlendLinear constructed with Options::backward = true");
+  QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
+  QBL_EXPECTS(tokens <= max_tokens_, qbl::out_of_range, "tokens exceeds max_tokens");
+  QBL_EXPECTS((mixed == nullptr) == (stats == nullptr), qbl::invalid_argument,
+              "mixed and stats are both given or both null (the instance's own)");
+  if (mixed == nullptr) {
+    mixed = mixed_.as<T>();
+    stats = stats_.as<float>();
+  }
+  const bool want_x = grads.x != nullptr, want_logits = grads.logits != nullptr;
+  const bool want_weight = grads.weight != nullptr;
+  bool want_bias = grads.bias != nullptr;  // cleared once the wgrad epilogue has served it
+  const bool dgrad = want_x || want_logits;
+  if (tokens == 0 || !(dgrad || want_weight || want_bias)) return;
+
+  // What each wanted output needs, and nothing else.
+  QBL_EXPECTS(grad_out != nullptr, qbl::invalid_argument, "grad_out must not be null");
+  QBL_EXPECTS(!dgrad || (weight != nullptr && logits != nullptr), qbl::invalid_argument,
+              "grad_x and grad_logits need weight and logits");
+  QBL_EXPECTS(!want_logits || x != nullptr, qbl::invalid_argument, "grad_logits needs x");
+  const std::size_t x_bytes = detail::checked_bytes(tokens, in_, sizeof(T));
+  const std::size_t g_bytes = detail::checked_bytes(tokens, out_, sizeof(T));
+  const std::size_t t_bytes = detail::checked_bytes(tokens, 1, sizeof(T));
+  const std::size_t w_bytes = detail::checked_bytes(out_, in_, sizeof(T));
+  const std::size_t b_bytes = detail::checked_bytes(out_, 1, sizeof(T));
+  const std::size_t s_bytes = static_cast<std::size_t>(stats_floats) * sizeof(float);
+  struct Span {
+    const void* p;
+    std::size_t bytes;
+  };
+  const Span inputs[] = {{grad_out, g_bytes},
+                         {want_logits ? x : nullptr, x_bytes},
+                         {dgrad ? logits : nullptr, t_bytes},
+                         {dgrad ? weight : nullptr, w_bytes},
+                         {want_weight ? mixed : nullptr, x_bytes},
+                         {dgrad ? stats : nullptr, s_bytes}};
+  const Span outputs[] = {{grads.x, x_bytes}, {grads.logits, t_bytes}, {grads.weight, w_bytes},
+                          {grads.bias, b_bytes}};
+  for (const Span& s : inputs)
+    QBL_EXPECTS(detail::is_aligned(s.p, s.p == stats ? sizeof(float) : sizeof(T)), qbl::invalid_argument,
+                "pointers must be aligned to the element size");
+  for (const Span& o : outputs) {
+    QBL_EXPECTS(detail::is_aligned(o.p, sizeof(T)), qbl::invalid_argument,
+                "pointers must be aligned to the element size");
+    for (const Span& i : inputs)
+      QBL_EXPECTS(!detail::overlaps(o.p, o.bytes, i.p, i.bytes), qbl::invalid_argument,
+                  "a gradient output must not overlap an input");
+    for (const Span& p : outputs)
+      QBL_EXPECTS(&p == &o || !detail::overlaps(o.p, o.bytes, p.p, p.bytes), qbl::invalid_argument,
+                  "gradient outputs must not overlap each other");
+  }
+  QBL_EXPECTS(detail::current_device() == device_, qbl::invalid_argument,
+              "backward() must run on the device the layer was constructed on");
+
+  void* ws = cublas_workspace_.get();
+  if (want_weight) {
+    // wgrad: grad_weight = grad_outᵀ · mixed, with grad_bias from its BGRADB epilogue (written,
+    // never accumulated, by cuBLASLt: accumulating, it goes to a scratch vector first).
+    const float beta = grads.accumulate ? 1.0f : 0.0f;
+    T* bias_out = want_bias ? (grads.accumulate ? bias_scratch_.as<T>() : grads.bias) : nullptr;
+    if (wgrad_->supports(mixed, grad_out, bias_out, grads.weight, tokens)) {
+      QBL_CUBLAS_TRY(wgrad_->run(mixed, grad_out, grads.weight, bias_out, tokens, beta, ws, stream));
+      if (bias_out != nullptr && grads.accumulate)
+        QBL_CUDA_TRY(detail::accumulate_into(grads.bias, static_cast<const T*>(bias_out), out_, stream));
+      want_bias = false;
+    } else if (wgrad_->supports(mixed, grad_out, nullptr, grads.weight, tokens)) {
+      QBL_CUBLAS_TRY(wgrad_->run(mixed, grad_out, grads.weight, nullptr, tokens, beta, ws, stream));
+    } else {
+      QBL_CUDA_TRY(detail::gemm_fallback(grad_out, mixed, static_cast<const T*>(nullptr), grads.weight,
+                                         detail::FallbackGemm{out_, in_, tokens, 1, out_, 1, in_},
+                                         grads.accumulate, stream));
+    }
+  }
+  if (want_bias) QBL_CUDA_TRY(bias_grad(grad_out, grads.bias, tokens, out_, grads.accumulate, stream));
+  if (dgrad) {
+    // dgrad: g_mixed = grad_out · weight, formed where grad_x goes (the element kernel then works
+    // in place) or in the instance's scratch.
+    T* g_mixed = want_x ? grads.x : g_mixed_.as<T>();
+    if (dgrad_->supports(weight, grad_out, nullptr, g_mixed, tokens)) {
+      QBL_CUBLAS_TRY(dgrad_->run(weight, grad_out, g_mixed, nullptr, tokens, 0.0f, ws, stream));
+    } else {
+      QBL_CUDA_TRY(detail::gemm_fallback(grad_out, weight, static_cast<const T*>(nullptr), g_mixed,
+                                         detail::FallbackGemm{tokens, in_, out_, out_, 1, 1, in_},
+                                         false, stream));
+    }
+    QBL_CUDA_TRY(quant_blend_backward(static_cast<const T*>(g_mixed), x, logits, stats + 1, grads.x,
+                                      grads.logits, tokens, in_, grads.quant_grad, stream));
   }
 }
 

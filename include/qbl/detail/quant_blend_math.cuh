@@ -86,6 +86,20 @@ QBL_HOST_DEVICE float quotient16(float x, float scale, float y, float neg_y) {
   return fma_rn(fma_rn(q0, scale, -x), neg_y, q0);
 }
 
+/// fake_quant<T>(x, scale) element by element without the per-element division, from
+/// y = code_reciprocal(scale): the same value for every input (the arguments above).
+template <typename T>
+QBL_HOST_DEVICE float fake_quant_from_reciprocal(float x, float scale, float y) {
+  if constexpr (sizeof(T) == 4) {
+    return mul_rn(quant_code(x, scale, y), scale);
+  } else {
+    float t = quotient16(x, scale, y, -y);
+    if (t != t) t = div_rn(x, scale);
+    const float code = clamp_keep_nan(round_half_even(round_to<T>(t)), -qmax, qmax);
+    return round_to<T>(mul_rn(code, scale));
+  }
+}
+
 /// The pair whose magnitudes are those of the 2 x 16 bits `magnitude` and whose signs are those of
 /// `sign` (the magic-number rint loses the sign of a zero: rint(-0.3) is -0).
 template <typename T2>
