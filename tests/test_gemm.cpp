@@ -131,9 +131,9 @@ struct GemmTypeNames {
 TYPED_TEST_SUITE(LinearGemmTyped, GemmTypes, GemmTypeNames);
 
 // w, bias and out start `off` elements into their allocations (alignment sizeof(T) * off, or
-// 256 bytes for off == 0). run() either succeeds, as accurately as the exact product rounded to T
-// allows, or answers NOT_SUPPORTED having written nothing -- and then supports() says no from
-// then on. The table of what this cuBLASLt serves is printed.
+// 256 bytes for off == 0). supports(), asked before the run, says which of two things run() does:
+// succeed, as accurately as the exact product rounded to T allows, or answer NOT_SUPPORTED having
+// written nothing. The table of what this cuBLASLt serves is printed.
 TYPED_TEST(LinearGemmTyped, EveryAlignmentRunsOrIsReportedUnsupported) {
   QBL_REQUIRE_GPU();
   using T = TypeParam;
@@ -168,9 +168,11 @@ TYPED_TEST(LinearGemmTyped, EveryAlignmentRunsOrIsReportedUnsupported) {
       if (off == 0) {
         EXPECT_TRUE(offered) << "no algorithm for 256-byte-aligned pointers";
       }
+      EXPECT_EQ(offered, st == CUBLAS_STATUS_SUCCESS) << "supports() did not predict run()";
+      // The plan is fixed at construction: asking again after the run gives the same answer.
+      EXPECT_EQ(offered, gemm.supports(da.get(), dw.get(off), bias, dout.get(off), tokens));
       if (st != CUBLAS_STATUS_SUCCESS) {
         EXPECT_EQ(st, CUBLAS_STATUS_NOT_SUPPORTED);
-        EXPECT_FALSE(gemm.supports(da.get(), dw.get(off), bias, dout.get(off), tokens));
         const auto* bytes = reinterpret_cast<const unsigned char*>(got.data());
         for (std::size_t i = 0; i < got.size() * sizeof(T); ++i) {
           ASSERT_EQ(bytes[i], qbl_test::poison_byte) << "out written at byte " << i;
@@ -192,6 +194,116 @@ TYPED_TEST(LinearGemmTyped, EveryAlignmentRunsOrIsReportedUnsupported) {
     std::printf("[ %s bias %s ] cuBLASLt at alignment:%s\n", type_name<T>(), has_bias ? "on " : "off",
                 table.c_str());
   }
+}
+
+// The backward's two products through GemmPlan: dgrad (NN, g_a = g · w) and wgrad (NT,
+// g_w = gᵀ · a, with BGRADB's bias gradient), at several alignments, overwriting and
+// accumulating (beta = 1), against float64 products of the T-valued operands. Where supports()
+// says no, run() must answer NOT_SUPPORTED and write nothing.
+template <typename T>
+class GemmPlanTyped : public ::testing::Test {};
+TYPED_TEST_SUITE(GemmPlanTyped, GemmTypes, GemmTypeNames);
+
+TYPED_TEST(GemmPlanTyped, DgradAndWgradMatchFloat64) {
+  QBL_REQUIRE_GPU();
+  using T = TypeParam;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::int64_t tokens = 67, in = 48, out = 40;
+  const auto g = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(tokens * out, seed)));
+  const auto w = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(out * in, seed + 1, 0.2f)));
+  const auto a = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(tokens * in, seed + 2)));
+  const auto old_w = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(out * in, seed + 3)));
+  // float64 references: dgrad[t, i] = sum_o g[t, o] w[o, i]; wgrad[o, i] = sum_t g[t, o] a[t, i];
+  // bgrad[o] = sum_t g[t, o].
+  std::vector<double> dgrad(tokens * in, 0.0), wgrad(out * in, 0.0), bgrad(out, 0.0);
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t o = 0; o < out; ++o) {
+      const double gv = g[t * out + o];
+      bgrad[o] += gv;
+      for (std::int64_t i = 0; i < in; ++i) {
+        dgrad[t * in + i] += gv * w[o * in + i];
+        wgrad[o * in + i] += gv * a[t * in + i];
+      }
+    }
+  // fp32: accumulation error ~1e-6; 16-bit: one rounding of T (2^-9 relative for bf16) dominates.
+  const double tol = std::is_same_v<T, float> ? 1e-5 : (std::is_same_v<T, __half> ? 2e-3 : 8e-3);
+  qbl::GemmPlan<T> dplan(qbl::GemmSpec::linear_dgrad(in, out), 128);
+  qbl::GemmPlan<T> wplan(qbl::GemmSpec::linear_wgrad(in, out), 128);
+  qbl_test::DeviceArray<unsigned char> ws(dplan.workspace_bytes());
+  for (const std::size_t off : {0, 1}) {
+    SCOPED_TRACE("offset " + std::to_string(off));
+    qbl_test::DeviceArray<T> dg(g.size() + off), dw(w.size() + off), da(a.size() + off),
+        dd(a.size() + off), dwg(w.size() + off), dbg(static_cast<std::size_t>(out) + off);
+    QBL_ASSERT_CUDA(qbl_test::to_device(dg.get(off), qbl_test::convert<T>(g)));
+    QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(off), qbl_test::convert<T>(w)));
+    QBL_ASSERT_CUDA(qbl_test::to_device(da.get(off), qbl_test::convert<T>(a)));
+    auto check = [&](const T* d, std::size_t n, const std::vector<double>& want, const char* what) {
+      std::vector<T> got(n);
+      ASSERT_EQ(qbl_test::to_host(got, d), cudaSuccess);
+      const auto gotf = qbl_test::widen(got);
+      for (std::size_t i = 0; i < n; ++i) ASSERT_FALSE(std::isnan(gotf[i])) << what << " unwritten " << i;
+      EXPECT_LT(qbl_test::relative_error(gotf, want), tol) << what;
+    };
+    auto untouched = [&](const T* d, std::size_t n, const char* what) {
+      std::vector<unsigned char> bytes(n * sizeof(T));
+      ASSERT_EQ(cudaMemcpy(bytes.data(), d, bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      for (std::size_t i = 0; i < bytes.size(); ++i) ASSERT_EQ(bytes[i], qbl_test::poison_byte) << what << " byte " << i;
+    };
+    // dgrad: A = w, B = g, D = g_a.
+    QBL_ASSERT_CUDA(cudaMemset(dd.get(), qbl_test::poison_byte, dd.size() * sizeof(T)));
+    const bool d_ok = dplan.supports(dw.get(off), dg.get(off), nullptr, dd.get(off), tokens);
+    const cublasStatus_t ds = dplan.run(dw.get(off), dg.get(off), dd.get(off), nullptr, tokens, 0.0f, ws.get());
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    EXPECT_EQ(d_ok, ds == CUBLAS_STATUS_SUCCESS);
+    if (off == 0) {
+      EXPECT_TRUE(d_ok);
+    }
+    if (ds == CUBLAS_STATUS_SUCCESS) {
+      check(dd.get(off), a.size(), dgrad, "dgrad");
+    } else {
+      EXPECT_EQ(ds, CUBLAS_STATUS_NOT_SUPPORTED);
+      untouched(dd.get(off), a.size(), "dgrad");
+    }
+    // wgrad with the bias gradient, overwriting, then accumulating onto old_w.
+    for (const float beta : {0.0f, 1.0f}) {
+      SCOPED_TRACE(beta == 0.0f ? "overwrite" : "accumulate");
+      QBL_ASSERT_CUDA(cudaMemset(dbg.get(), qbl_test::poison_byte, dbg.size() * sizeof(T)));
+      if (beta == 0.0f) {
+        QBL_ASSERT_CUDA(cudaMemset(dwg.get(), qbl_test::poison_byte, dwg.size() * sizeof(T)));
+      } else {
+        QBL_ASSERT_CUDA(qbl_test::to_device(dwg.get(off), qbl_test::convert<T>(old_w)));
+      }
+      const bool w_ok = wplan.supports(da.get(off), dg.get(off), dbg.get(off), dwg.get(off), tokens);
+      const cublasStatus_t wst =
+          wplan.run(da.get(off), dg.get(off), dwg.get(off), dbg.get(off), tokens, beta, ws.get());
+      QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+      EXPECT_EQ(w_ok, wst == CUBLAS_STATUS_SUCCESS);
+      if (off == 0) {
+        EXPECT_TRUE(w_ok);
+      }
+      if (wst != CUBLAS_STATUS_SUCCESS) {
+        EXPECT_EQ(wst, CUBLAS_STATUS_NOT_SUPPORTED);
+        untouched(dbg.get(off), static_cast<std::size_t>(out), "bgrad");
+        continue;
+      }
+      std::vector<double> want = wgrad;
+      if (beta != 0.0f)
+        for (std::size_t i = 0; i < want.size(); ++i) want[i] += old_w[i];
+      check(dwg.get(off), w.size(), want, "wgrad");
+      check(dbg.get(off), static_cast<std::size_t>(out), bgrad, "bgrad (BGRADB)");
+    }
+  }
+}
+
+TEST(GemmPlan, RejectsBadSpecsBeforeTouchingCuda) {
+  EXPECT_THROW(qbl::GemmPlan<float>(qbl::GemmSpec::linear_dgrad(0, 4), 4), qbl::invalid_argument);
+  EXPECT_THROW(qbl::GemmPlan<float>(qbl::GemmSpec::linear_wgrad(4, 0), 4), qbl::invalid_argument);
+  EXPECT_THROW(qbl::GemmPlan<float>(qbl::GemmSpec::linear_wgrad(4, 4), 0), qbl::invalid_argument);
+  // The token count must be a stored column count: n with B transposed is not.
+  qbl::GemmSpec bad = qbl::GemmSpec::linear_dgrad(4, 4);
+  bad.trans_b = CUBLAS_OP_T;
+  EXPECT_THROW(qbl::GemmPlan<float>(bad, 4), qbl::invalid_argument);
 }
 
 TEST(LinearGemmDevice, RunRejectsTokensOutOfRange) {

@@ -104,6 +104,9 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
   QBL_EXPECTS(spec.m > 0 && (tokens_n ? spec.k > 0 : spec.n > 0), qbl::invalid_argument,
               "features must be positive");
   QBL_EXPECTS(max_tokens > 0, qbl::invalid_argument, "max_tokens must be positive");
+  const bool ta = spec.trans_a != CUBLAS_OP_N, tb = spec.trans_b != CUBLAS_OP_N;
+  QBL_EXPECTS(tokens_n ? !tb : !ta, qbl::invalid_argument,
+              "the token count must be a stored column count of every operand that has it");
   (tokens_n ? spec_.n : spec_.k) = max_tokens;
   autotune_candidates_ = options.autotune ? std::clamp(options.autotune_candidates, 1, 16) : 0;
 
@@ -130,11 +133,8 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
   // Column-major views of contiguous operands: A stored m x k (or k x m transposed), B k x n (or
   // n x k), D m x n, each with ld = its stored rows. The token count is always a stored column
   // count (n of B and D, or k of A and B), so run() changes only those.
-  const bool ta = spec_.trans_a != CUBLAS_OP_N, tb = spec_.trans_b != CUBLAS_OP_N;
   const std::int64_t a_rows = ta ? spec_.k : spec_.m, a_cols = ta ? spec_.m : spec_.k;
   const std::int64_t b_rows = tb ? spec_.n : spec_.k, b_cols = tb ? spec_.k : spec_.n;
-  QBL_EXPECTS(tokens_n ? !tb : !ta, qbl::invalid_argument,
-              "the token count must be a stored column count of every operand that has it");
   a_tokens_ = !tokens_n;
   b_tokens_ = true;
   d_tokens_ = tokens_n;
