@@ -131,7 +131,10 @@ class QuantBlendLinear {
   /// Only what a non-null output needs runs: no dgrad without grad_x or grad_logits, no wgrad
   /// without grad_weight. x is read only for grad_logits, `mixed` only for grad_weight, the
   /// scale for grad_x and grad_logits. g_mixed is formed in grad_x's buffer when grad_x is
-  /// wanted, else in the instance's scratch. tokens == 0 does nothing.
+  /// wanted, else in the instance's scratch. tokens == 0 does nothing. When both GEMMs run, wgrad
+  /// (and the bias gradient) runs on the instance's own stream, forked from `stream` and joined
+  /// back into it by events (no host synchronization; a graph capture of `stream` takes it in):
+  /// all of backward()'s work is ordered before what is enqueued on `stream` after it.
   ///
   /// \throws qbl::logic_error (no Options::backward, moved-from object), qbl::invalid_argument
   ///         (a null input that a wanted output needs, a misaligned pointer, an output
@@ -172,8 +175,8 @@ class QuantBlendLinear {
   const Options& options() const noexcept { return options_; }
 
   /// Device bytes an instance allocates: the `mixed` buffer, the two statistics and the cuBLASLt
-  /// workspace, and with Options::backward a g_mixed scratch of [max_tokens, in_features] in T
-  /// and a vector of out_features in T.
+  /// workspace, and with Options::backward a g_mixed scratch of [max_tokens, in_features] in T,
+  /// a vector of out_features in T and a second cuBLASLt workspace (wgrad runs beside dgrad).
   /// Callers who manage memory themselves can run the free functions (qbl::amax,
   /// qbl::quant_blend, qbl::quant_blend_backward, qbl::LinearGemm, qbl::GemmPlan) over buffers of
   /// these sizes instead.
@@ -200,6 +203,11 @@ class QuantBlendLinear {
   std::unique_ptr<GemmPlan<T>> dgrad_, wgrad_;
   detail::device_buffer g_mixed_;
   detail::device_buffer bias_scratch_;  // grad_bias from BGRADB before it is accumulated
+  // wgrad runs on a stream of its own, forked from and joined back into the caller's with two
+  // events, beside dgrad and the element kernel; it has its own cuBLASLt workspace.
+  detail::stream_ptr side_stream_;
+  detail::event_ptr fork_, join_;
+  detail::device_buffer side_workspace_;
 };
 
 }  // namespace qbl

@@ -91,15 +91,6 @@ inline std::size_t pick_fastest(const std::vector<float>& ms) {
   return best;
 }
 
-struct cuda_stream_destroy {
-  void operator()(cudaStream_t s) const noexcept { cudaStreamDestroy(s); }
-};
-struct cuda_event_destroy {
-  void operator()(cudaEvent_t e) const noexcept { cudaEventDestroy(e); }
-};
-using stream_ptr = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, cuda_stream_destroy>;
-using event_ptr = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, cuda_event_destroy>;
-
 }  // namespace qbl::detail
 
 namespace qbl {

@@ -1,4 +1,4 @@
-// RAII owners for device memory and cuBLASLt objects. Destructors never throw.
+// RAII owners for device memory, streams, events and cuBLASLt objects. Destructors never throw.
 #pragma once
 
 #include <qbl/error.hpp>
@@ -38,6 +38,16 @@ class device_buffer {
   std::unique_ptr<void, cuda_free> ptr_;
   std::size_t bytes_ = 0;
 };
+
+struct cuda_stream_destroy {
+  void operator()(cudaStream_t s) const noexcept { cudaStreamDestroy(s); }
+};
+struct cuda_event_destroy {
+  void operator()(cudaEvent_t e) const noexcept { cudaEventDestroy(e); }
+};
+/// Own a CUDA stream / event.
+using stream_ptr = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, cuda_stream_destroy>;
+using event_ptr = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, cuda_event_destroy>;
 
 template <typename Handle, cublasStatus_t (*Destroy)(Handle)>
 struct lt_destroy {

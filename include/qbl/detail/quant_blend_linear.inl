@@ -52,7 +52,8 @@ std::size_t QuantBlendLinear<T>::workspace_bytes(std::int64_t in_features,
                                                  std::int64_t out_features, std::int64_t max_tokens,
                                                  const Options& options) {
   const std::size_t rows = detail::checked_bytes(max_tokens, in_features, sizeof(T));
-  const std::size_t backward = rows + detail::checked_bytes(out_features, 1, sizeof(T));
+  const std::size_t backward = rows + detail::checked_bytes(out_features, 1, sizeof(T)) +
+                               options.cublas_workspace_bytes;
   return stats_bytes + rows + options.cublas_workspace_bytes + (options.backward ? backward : 0);
 }
 
@@ -74,6 +75,15 @@ QuantBlendLinear<T>::QuantBlendLinear(std::int64_t in_features, std::int64_t out
     wgrad_ = std::make_unique<GemmPlan<T>>(GemmSpec::linear_wgrad(in_, out_), max_tokens_, options_);
     g_mixed_ = detail::device_buffer(detail::checked_bytes(max_tokens, in_features, sizeof(T)));
     bias_scratch_ = detail::device_buffer(detail::checked_bytes(out_features, 1, sizeof(T)));
+    side_workspace_ = detail::device_buffer(options.cublas_workspace_bytes);
+    cudaStream_t side = nullptr;
+    QBL_CUDA_TRY(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    side_stream_.reset(side);
+    for (detail::event_ptr* e : {&fork_, &join_}) {
+      cudaEvent_t ev = nullptr;
+      QBL_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+      e->reset(ev);
+    }
   }
   // Zero the statistics and wait for it: a forward on any stream must never race this memset.
   QBL_CUDA_TRY(cudaMemsetAsync(stats_.get(), 0, stats_bytes, nullptr));
@@ -214,32 +224,43 @@ void QuantBlendLinear<T>::backward(const T* grad_out, const T* x, const T* logit
   QBL_EXPECTS(detail::current_device() == device_, qbl::invalid_argument,
               "backward() must run on the device the layer was constructed on");
 
-  void* ws = cublas_workspace_.get();
+  // wgrad (and the bias gradient) beside dgrad when both run: on the side stream, forked here.
+  const bool fork = dgrad && (want_weight || want_bias);
+  cudaStream_t wstream = stream;
+  void* wws = cublas_workspace_.get();
+  if (fork) {
+    QBL_CUDA_TRY(cudaEventRecord(fork_.get(), stream));
+    QBL_CUDA_TRY(cudaStreamWaitEvent(side_stream_.get(), fork_.get(), 0));
+    wstream = side_stream_.get();
+    wws = side_workspace_.get();
+  }
   if (want_weight) {
     // wgrad: grad_weight = grad_outᵀ · mixed, with grad_bias from its BGRADB epilogue (written,
     // never accumulated, by cuBLASLt: accumulating, it goes to a scratch vector first).
     const float beta = grads.accumulate ? 1.0f : 0.0f;
     T* bias_out = want_bias ? (grads.accumulate ? bias_scratch_.as<T>() : grads.bias) : nullptr;
     if (wgrad_->supports(mixed, grad_out, bias_out, grads.weight, tokens)) {
-      QBL_CUBLAS_TRY(wgrad_->run(mixed, grad_out, grads.weight, bias_out, tokens, beta, ws, stream));
+      QBL_CUBLAS_TRY(wgrad_->run(mixed, grad_out, grads.weight, bias_out, tokens, beta, wws, wstream));
       if (bias_out != nullptr && grads.accumulate)
-        QBL_CUDA_TRY(detail::accumulate_into(grads.bias, static_cast<const T*>(bias_out), out_, stream));
+        QBL_CUDA_TRY(detail::accumulate_into(grads.bias, static_cast<const T*>(bias_out), out_, wstream));
       want_bias = false;
     } else if (wgrad_->supports(mixed, grad_out, nullptr, grads.weight, tokens)) {
-      QBL_CUBLAS_TRY(wgrad_->run(mixed, grad_out, grads.weight, nullptr, tokens, beta, ws, stream));
+      QBL_CUBLAS_TRY(wgrad_->run(mixed, grad_out, grads.weight, nullptr, tokens, beta, wws, wstream));
     } else {
       QBL_CUDA_TRY(detail::gemm_fallback(grad_out, mixed, static_cast<const T*>(nullptr), grads.weight,
                                          detail::FallbackGemm{out_, in_, tokens, 1, out_, 1, in_},
-                                         grads.accumulate, stream));
+                                         grads.accumulate, wstream));
     }
   }
-  if (want_bias) QBL_CUDA_TRY(bias_grad(grad_out, grads.bias, tokens, out_, grads.accumulate, stream));
+  if (want_bias) QBL_CUDA_TRY(bias_grad(grad_out, grads.bias, tokens, out_, grads.accumulate, wstream));
+  if (fork) QBL_CUDA_TRY(cudaEventRecord(join_.get(), wstream));
   if (dgrad) {
     // dgrad: g_mixed = grad_out · weight, formed where grad_x goes (the element kernel then works
     // in place) or in the instance's scratch.
     T* g_mixed = want_x ? grads.x : g_mixed_.as<T>();
     if (dgrad_->supports(weight, grad_out, nullptr, g_mixed, tokens)) {
-      QBL_CUBLAS_TRY(dgrad_->run(weight, grad_out, g_mixed, nullptr, tokens, 0.0f, ws, stream));
+      QBL_CUBLAS_TRY(dgrad_->run(weight, grad_out, g_mixed, nullptr, tokens, 0.0f,
+                                 cublas_workspace_.get(), stream));
     } else {
       QBL_CUDA_TRY(detail::gemm_fallback(grad_out, weight, static_cast<const T*>(nullptr), g_mixed,
                                          detail::FallbackGemm{tokens, in_, out_, out_, 1, 1, in_},
@@ -248,6 +269,7 @@ void QuantBlendLinear<T>::backward(const T* grad_out, const T* x, const T* logit
     QBL_CUDA_TRY(quant_blend_backward(static_cast<const T*>(g_mixed), x, logits, stats + 1, grads.x,
                                       grads.logits, tokens, in_, grads.quant_grad, stream));
   }
+  if (fork) QBL_CUDA_TRY(cudaStreamWaitEvent(stream, join_.get(), 0));
 }
 
 }  // namespace qbl
