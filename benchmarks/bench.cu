@@ -20,6 +20,13 @@
 //   copy         a 1 GiB device-to-device cudaMemcpyAsync: the bandwidth a streaming kernel can
 //                hope for, measured in the same run (bytes read + bytes written over time), once
 //                per shape and shared by its dtypes, so that their floors use one bandwidth
+// and, unless --no-train, the training items of bench_train.cuh (its header comment defines them):
+//   train        one forward into caller-provided mixed/stats + one backward computing grad_x,
+//                grad_logits, grad_weight and grad_bias, on a QuantBlendLinear<T> built with
+//                Options::backward (x and logits rotating, grad_out one fixed random tensor)
+//   train_graph  the same captured into CUDA graphs and replayed (launch-bound shapes only)
+//   bare_dgrad   cuBLASLt NN g · W (no epilogue), bare_wgrad cuBLASLt NT gᵀ · mixed with the
+//                BGRADB bias-gradient epilogue, both set up as bare_gemm
 //
 // Dtypes (--dtypes, any of the four; default fp32,tf32,bf16), element type T:
 //   fp32   float; every GEMM in CUBLAS_COMPUTE_32F (PyTorch's default fp32 matmul)
@@ -52,13 +59,18 @@
 // their largest relative difference reported (they differ only if cuBLASLt picked different
 // algorithms for the two GEMMs: ~1e-6 in fp32, a few units in T's last place otherwise).
 //
+// The training items get their own check before timing (outputs poisoned and then all written and
+// finite, gradients against the bare products' outputs; see bench_train.cuh).
+//
 // Derived numbers: floor_ms = bare_gemm_ms + 2 * tokens * D * sizeof(T) B / copy bandwidth (read x
 // once, write mixed once, at copy speed); prologue GB/s = 3 * tokens * D * sizeof(T) B /
 // (amax_ms + quant_blend_ms) (amax reads x; quant_blend reads x and writes mixed); GEMM TFLOP/s =
-// 2 * tokens * D^2 / bare_gemm_ms.
+// 2 * tokens * D^2 / bare_gemm_ms; train_floor_ms = floor_ms + bare_dgrad_ms + bare_wgrad_ms +
+// 3 * tokens * D * sizeof(T) B / copy bandwidth (the backward's elementwise stage reads g_mixed and
+// x and writes grad_x). The training items' CSV columns follow all the earlier ones.
 //
 //   qbl_bench [--shapes 0,3,6] [--dtypes fp32,tf32,bf16,fp16] [--csv results.csv] [--md results.md]
-//             [--min-ms 50] [--reps 20]
+//             [--min-ms 50] [--reps 20] [--no-graph] [--no-train] [--gemm-probe]
 
 #include <qbl/qbl.cuh>
 
@@ -132,7 +144,8 @@ constexpr std::int64_t launch_bound_elements = std::int64_t{1} << 20;
 constexpr std::size_t mib = std::size_t{1} << 20;
 constexpr std::size_t gemm_workspace_bytes = 32 * mib;  // Hopper's recommended cuBLASLt workspace
 // The rotating x/logits sets stay under this; with everything else per shape (<= ~4 GiB for the
-// biggest) and the copy buffers (2 GiB) the process stays well under 10 GiB.
+// biggest, ~2 GiB more with the training items) and the copy buffers (2 GiB) the process stays
+// under ~12 GiB.
 constexpr std::size_t rotation_cap_bytes = 2048 * mib;
 constexpr int max_graph_sets = 8192;  // one instantiated graph per rotating input set, at most
 constexpr double warmup_round_ms = 10.0;
@@ -160,6 +173,7 @@ struct Args {
   int device = 0;
   bool graph = true;
   bool gemm_probe = false;
+  bool train = true;
 };
 
 void print_usage(const char* argv0) {
@@ -175,7 +189,8 @@ void print_usage(const char* argv0) {
       "  --max-runs N       at most N timed runs per item (default 100000)\n"
       "  --copy-mib N       size of the device-to-device copy (default 1024)\n"
       "  --device N         CUDA device (default 0)\n"
-      "  --no-graph         skip the CUDA-graph replay of launch-bound shapes\n"
+      "  --no-graph         skip the CUDA-graph replays of launch-bound shapes\n"
+      "  --no-train         skip the training items (forward + backward and its floor)\n"
       "  --gemm-probe       also time the bare GEMM planned the ways qbl::LinearGemm plans it\n"
       "                     (heuristic asked for 4 results, no bias pointer while asking,\n"
       "                     explicit 256-byte alignment preferences) and the layer's own GEMM\n"
@@ -271,6 +286,8 @@ Args parse_args(int argc, char** argv) {
       a.graph = false;
     } else if (flag == "--gemm-probe") {
       a.gemm_probe = true;
+    } else if (flag == "--no-train") {
+      a.train = false;
     } else {
       bad_args("unknown option " + flag);
     }
@@ -693,6 +710,63 @@ void launch_scalar_unary(const float* a, float* out, Op op, cudaStream_t s) {
 // reduced in fp32 (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE): qbl::LinearGemm holds itself to that
 // rule, and a floor allowed to sum partials in bf16 could pick algorithms qbl may not.
 
+// cuBLASLt objects owned through the library's RAII types (qbl/detail/handles.hpp), so that no
+// Create needs a Destroy paired by hand; a failure to create ends the run like every other status.
+qbl::detail::lt_handle make_lt_handle() {
+  cublasLtHandle_t h = nullptr;
+  CUBLAS_CHECK(cublasLtCreate(&h));
+  return qbl::detail::lt_handle(h);
+}
+
+// fp32 scale type always: alpha and beta are floats for every dtype here.
+qbl::detail::lt_matmul_desc make_lt_desc(cublasComputeType_t compute) {
+  cublasLtMatmulDesc_t d = nullptr;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&d, compute, CUDA_R_32F));
+  return qbl::detail::lt_matmul_desc(d);
+}
+
+// A contiguous column-major rows x cols matrix (ld = rows).
+qbl::detail::lt_layout make_lt_layout(cudaDataType_t type, std::int64_t rows, std::int64_t cols) {
+  cublasLtMatrixLayout_t l = nullptr;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, static_cast<std::uint64_t>(rows),
+                                          static_cast<std::uint64_t>(cols), rows));
+  return qbl::detail::lt_layout(l);
+}
+
+// The bare products' preference: the 32 MiB workspace and, for 16-bit T, split-K partials
+// reduced in fp32 only (the rule qbl's GEMMs hold themselves to).
+template <typename T>
+qbl::detail::lt_preference make_bare_preference() {
+  cublasLtMatmulPreference_t p = nullptr;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&p));
+  qbl::detail::lt_preference pref(p);
+  const std::uint64_t ws = gemm_workspace_bytes;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                    &ws, sizeof ws));
+  if (cuda_data_type<T>() != CUDA_R_32F) {
+    const std::uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                      &schemes, sizeof schemes));
+  }
+  return pref;
+}
+
+// "id=.. tile=.. stages=.. splitk=.." of an algorithm, to compare runs and machines.
+std::string algo_summary(const cublasLtMatmulAlgo_t& algo) {
+  auto attr = [&](cublasLtMatmulAlgoConfigAttributes_t a) {
+    std::uint32_t v = 0;
+    std::size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, a, &v, sizeof v, &written) !=
+        CUBLAS_STATUS_SUCCESS) {
+      return std::string("?");
+    }
+    return std::to_string(v);
+  };
+  return "id=" + attr(CUBLASLT_ALGO_CONFIG_ID) + " tile=" + attr(CUBLASLT_ALGO_CONFIG_TILE_ID) +
+         " stages=" + attr(CUBLASLT_ALGO_CONFIG_STAGES_ID) +
+         " splitk=" + attr(CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+}
+
 /// How the bare GEMM asks cuBLASLt's heuristic (--gemm-probe varies it; the default is the
 /// straightforward query described above).
 struct BareQuery {
@@ -712,73 +786,59 @@ class BareGemm {
            cublasComputeType_t compute, BareQuery query = {})
       : w_(w), workspace_(gemm_workspace_bytes) {
     constexpr cudaDataType_t type = cuda_data_type<T>();
-    CUBLAS_CHECK(cublasLtCreate(&handle_));
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc_, compute, CUDA_R_32F));
+    handle_ = make_lt_handle();
+    desc_ = make_lt_desc(compute);
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
-                                                sizeof epilogue));
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(desc_.get(), CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(desc_.get(), CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_.get(), CUBLASLT_MATMUL_DESC_EPILOGUE,
+                                                &epilogue, sizeof epilogue));
     if (query.bias_at_query) {
-      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
-                                                  sizeof bias));
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                  &bias, sizeof bias));
     }
     if (type != CUDA_R_32F) {
       const std::int32_t bias_type = type;  // nn.Linear's bias is in T too
-      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_.get(), CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                   &bias_type, sizeof bias_type));
     }
-    const auto k = static_cast<std::uint64_t>(in), m = static_cast<std::uint64_t>(out),
-               n = static_cast<std::uint64_t>(tokens);
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a_, type, k, m, static_cast<std::int64_t>(k)));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b_, type, k, n, static_cast<std::int64_t>(k)));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c_, type, m, n, static_cast<std::int64_t>(m)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref_));
-    const std::uint64_t ws = gemm_workspace_bytes;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref_, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                      &ws, sizeof ws));
-    if (type != CUDA_R_32F) {
-      const std::uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          pref_, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes));
-    }
+    a_ = make_lt_layout(type, in, out);      // W: k x m, transposed
+    b_ = make_lt_layout(type, in, tokens);   // mixed: k x n
+    c_ = make_lt_layout(type, out, tokens);  // out: m x n
+    pref_ = make_bare_preference<T>();
     if (query.align_prefs) {
       const std::uint32_t align = 256;
       for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref_, attr, &align, sizeof align));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref_.get(), attr, &align, sizeof align));
       }
     }
     cublasLtMatmulHeuristicResult_t results[8] = {};
     int found = 0;
     const int requested = std::clamp(query.requested, 1, 8);
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc_, a_, b_, c_, c_, pref_, requested,
-                                                results, &found));
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_.get(), desc_.get(), a_.get(), b_.get(),
+                                                c_.get(), c_.get(), pref_.get(), requested, results,
+                                                &found));
     if (found < 1 || results[0].state != CUBLAS_STATUS_SUCCESS) {
       die("cublasLtMatmulAlgoGetHeuristic", "no algorithm for the bare GEMM", __FILE__, __LINE__);
     }
     algo_ = results[0].algo;
     if (!query.bias_at_query) {
-      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
-                                                  sizeof bias));
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                  &bias, sizeof bias));
     }
-  }
-  ~BareGemm() {
-    cublasLtMatmulPreferenceDestroy(pref_);
-    cublasLtMatrixLayoutDestroy(c_);
-    cublasLtMatrixLayoutDestroy(b_);
-    cublasLtMatrixLayoutDestroy(a_);
-    cublasLtMatmulDescDestroy(desc_);
-    cublasLtDestroy(handle_);
   }
   BareGemm(const BareGemm&) = delete;
   BareGemm& operator=(const BareGemm&) = delete;
 
   void run(const T* mixed, T* out, cudaStream_t s) {
     const float one = 1.0f, zero = 0.0f;  // scale type CUDA_R_32F
-    CUBLAS_CHECK(cublasLtMatmul(handle_, desc_, &one, w_, a_, mixed, b_, &zero, out, c_, out, c_,
-                                &algo_, workspace_.as<void>(), gemm_workspace_bytes, s));
+    CUBLAS_CHECK(cublasLtMatmul(handle_.get(), desc_.get(), &one, w_, a_.get(), mixed, b_.get(),
+                                &zero, out, c_.get(), out, c_.get(), &algo_, workspace_.as<void>(),
+                                gemm_workspace_bytes, s));
   }
 
   // Every configuration attribute of the chosen algorithm, to compare runs, planners and machines.
@@ -802,28 +862,16 @@ class BareGemm {
   }
 
   // "id=.. tile=.. stages=.. splitk=.." of the chosen algorithm, to compare runs and machines.
-  std::string describe() const {
-    auto attr = [&](cublasLtMatmulAlgoConfigAttributes_t a) {
-      std::uint32_t v = 0;
-      std::size_t written = 0;
-      if (cublasLtMatmulAlgoConfigGetAttribute(&algo_, a, &v, sizeof v, &written) !=
-          CUBLAS_STATUS_SUCCESS) {
-        return std::string("?");
-      }
-      return std::to_string(v);
-    };
-    return "id=" + attr(CUBLASLT_ALGO_CONFIG_ID) + " tile=" + attr(CUBLASLT_ALGO_CONFIG_TILE_ID) +
-           " stages=" + attr(CUBLASLT_ALGO_CONFIG_STAGES_ID) +
-           " splitk=" + attr(CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
-  }
+  std::string describe() const { return algo_summary(algo_); }
 
  private:
   const T* w_;
   DeviceBuffer workspace_;
-  cublasLtHandle_t handle_ = nullptr;
-  cublasLtMatmulDesc_t desc_ = nullptr;
-  cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, c_ = nullptr;
-  cublasLtMatmulPreference_t pref_ = nullptr;
+  // Declared in creation order, destroyed in reverse (the handle last).
+  qbl::detail::lt_handle handle_;
+  qbl::detail::lt_matmul_desc desc_;
+  qbl::detail::lt_layout a_, b_, c_;
+  qbl::detail::lt_preference pref_;
   cublasLtMatmulAlgo_t algo_ = {};
 };
 
@@ -1009,6 +1057,14 @@ class RunTimer {
   std::vector<cudaEvent_t> start_, stop_;
 };
 
+}  // namespace
+
+// The training items (train, train_graph, bare_dgrad, bare_wgrad): a part of this file, kept apart
+// for length; it uses everything above.
+#include "bench_train.cuh"
+
+namespace {
+
 // ---- results ----------------------------------------------------------------------------------
 
 // The timed items, in the order of the CSV columns.
@@ -1033,6 +1089,7 @@ struct Row {
   double out_max_rel_diff = NAN;
   int graph_bit_equal = -1;  // -1: no graph
   std::string bare_algo;
+  TrainRow train;  // the training items (bench_train.cuh); untimed with --no-train
 
   double n() const { return static_cast<double>(tokens) * static_cast<double>(shape.d); }
   double ms(Item i) const { return t[i].median_ms; }
@@ -1041,6 +1098,16 @@ struct Row {
     return ms(bare_gemm_item) + 2.0 * n() * elem_bytes / (copy_gbps() * 1e9) * 1e3;
   }
   double over_floor(Item i) const { return t[i].valid() ? ms(i) / floor_ms() : NAN; }
+  // The forward's floor + bare dgrad + bare wgrad (with BGRADB) + reading g_mixed and x and
+  // writing grad_x once at copy bandwidth.
+  double train_floor_ms() const {
+    if (!train.timed()) return NAN;
+    return floor_ms() + train.ms(bare_dgrad_item) + train.ms(bare_wgrad_item) +
+           3.0 * n() * elem_bytes / (copy_gbps() * 1e9) * 1e3;
+  }
+  double train_over_floor(TrainItem i) const {
+    return train.t[i].valid() ? train.ms(i) / train_floor_ms() : NAN;
+  }
   double prologue_gbps() const {
     return 3.0 * n() * elem_bytes / ((ms(amax_item) + ms(quant_blend_item)) * 1e-3) / 1e9;
   }
@@ -1088,7 +1155,18 @@ void write_csv(const std::string& path, const GpuInfo& gpu, const std::vector<Ro
                "prologue_gbps,prologue_over_copy,amax_gbps,amax_over_copy,quant_blend_gbps,"
                "quant_blend_over_copy,gemm_over_bare,gemm_tflops,speedup_vs_eager,"
                "mixed_bit_equal,amax_bit_equal,out_bit_equal,out_max_rel_diff,graph_bit_equal,"
-               "bare_gemm_algo\n");
+               "bare_gemm_algo");
+  // The training items' columns come last, so that every earlier column keeps its position; they
+  // stay blank where the items did not run (--no-train).
+  for (int i = 0; i < train_item_count; ++i) {
+    std::fprintf(f, ",%s_ms,%s_min_ms,%s_runs", train_item_names[i], train_item_names[i],
+                 train_item_names[i]);
+  }
+  std::fprintf(f,
+               ",train_floor_ms,train_over_floor,train_graph_over_floor,bare_wgrad_bgradb,"
+               "train_check_ok,train_unwritten,train_nonfinite,train_mixed_bit_equal,"
+               "train_grad_x_rel_diff,train_grad_weight_rel_diff,train_grad_bias_rel_diff,"
+               "train_graph_bit_equal,bare_dgrad_algo,bare_wgrad_algo\n");
   for (const Row& r : rows) {
     std::fprintf(f, "\"%s\",%d,%d,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%s,%" PRId64 ",%d,%d",
                  gpu.name.c_str(), gpu.sms, gpu.l2_bytes, version_string(gpu.driver).c_str(),
@@ -1107,10 +1185,30 @@ void write_csv(const std::string& path, const GpuInfo& gpu, const std::vector<Ro
                  r.over_floor(eager_item), r.prologue_gbps(), r.prologue_gbps() / copy, r.amax_gbps(),
                  r.amax_gbps() / copy, r.quant_blend_gbps(), r.quant_blend_gbps() / copy,
                  r.ms(gemm_item) / r.ms(bare_gemm_item), r.gemm_tflops(), r.speedup_vs_eager());
-    std::fprintf(f, ",%d,%d,%d,%.3g,%s,\"%s\"\n", r.mixed_bit_equal, r.amax_bit_equal,
+    std::fprintf(f, ",%d,%d,%d,%.3g,%s,\"%s\"", r.mixed_bit_equal, r.amax_bit_equal,
                  r.out_bit_equal, r.out_max_rel_diff,
                  r.graph_bit_equal < 0 ? "" : std::to_string(r.graph_bit_equal).c_str(),
                  r.bare_algo.c_str());
+    const TrainRow& tr = r.train;
+    for (int i = 0; i < train_item_count; ++i) {
+      if (tr.t[i].valid()) {
+        std::fprintf(f, ",%.6g,%.6g,%d", tr.t[i].median_ms, tr.t[i].min_ms, tr.t[i].runs);
+      } else {
+        std::fprintf(f, ",,,");
+      }
+    }
+    if (tr.timed()) {
+      std::fprintf(
+          f, ",%.6g,%.6g,%s,%d,%d,%" PRId64 ",%" PRId64 ",%d,%.3g,%.3g,%.3g,%s,\"%s\",\"%s\"\n",
+          r.train_floor_ms(), r.train_over_floor(train_item),
+          fmt("%.6g", r.train_over_floor(train_graph_item)).c_str(), tr.bgradb, tr.check_ok(),
+          tr.unwritten, tr.nonfinite, tr.mixed_bit_equal, tr.grad_x_rel_diff,
+          tr.grad_weight_rel_diff, tr.grad_bias_rel_diff,
+          tr.graph_bit_equal < 0 ? "" : std::to_string(tr.graph_bit_equal).c_str(),
+          tr.dgrad_algo.c_str(), tr.wgrad_algo.c_str());
+    } else {
+      std::fprintf(f, ",,,,,,,,,,,,,,\n");  // the 14 columns after the items' times
+    }
   }
   std::fclose(f);
   std::printf("wrote %s\n", path.c_str());
@@ -1120,6 +1218,7 @@ void write_csv(const std::string& path, const GpuInfo& gpu, const std::vector<Ro
 struct Column {
   const char* header;
   std::string (*cell)(const Row&);
+  bool train = false;  // shown only when some row timed the training items
 };
 
 const Column columns[] = {
@@ -1147,6 +1246,14 @@ const Column columns[] = {
     {"qb/copy", [](const Row& r) { return fmt("%.3f", r.quant_blend_gbps() / r.copy_gbps()); }},
     {"TFLOP/s", [](const Row& r) { return fmt("%.1f", r.gemm_tflops()); }},
     {"eager/fwd", [](const Row& r) { return fmt("%.2f", r.speedup_vs_eager()); }},
+    {"train ms", [](const Row& r) { return fmt("%.4f", r.train.ms(train_item)); }, true},
+    {"tgraph ms", [](const Row& r) { return fmt("%.4f", r.train.ms(train_graph_item)); }, true},
+    {"dgrad ms", [](const Row& r) { return fmt("%.4f", r.train.ms(bare_dgrad_item)); }, true},
+    {"wgrad ms", [](const Row& r) { return fmt("%.4f", r.train.ms(bare_wgrad_item)); }, true},
+    {"tfloor ms", [](const Row& r) { return fmt("%.4f", r.train_floor_ms()); }, true},
+    {"train/floor", [](const Row& r) { return fmt("%.3f", r.train_over_floor(train_item)); }, true},
+    {"tgraph/floor", [](const Row& r) { return fmt("%.3f", r.train_over_floor(train_graph_item)); },
+     true},
 };
 constexpr int column_count = static_cast<int>(sizeof columns / sizeof columns[0]);
 constexpr int text_columns = 2;  // shape and dtype, left-aligned; the numbers right-aligned
@@ -1163,25 +1270,41 @@ std::string gpu_line(const GpuInfo& g) {
   return buf;
 }
 
+bool any_train(const std::vector<Row>& rows) {
+  return std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.train.timed(); });
+}
+
+// Indices of the columns to show: the training columns only when some row has them.
+std::vector<int> shown_columns(const std::vector<Row>& rows) {
+  std::vector<int> shown;
+  const bool train = any_train(rows);
+  for (int c = 0; c < column_count; ++c) {
+    if (train || !columns[c].train) shown.push_back(c);
+  }
+  return shown;
+}
+
 void print_table(const std::vector<Row>& rows) {
+  const std::vector<int> shown = shown_columns(rows);
   std::vector<std::vector<std::string>> cells(rows.size());
   std::size_t width[column_count];
-  for (int c = 0; c < column_count; ++c) width[c] = std::strlen(columns[c].header);
+  for (int c : shown) width[c] = std::strlen(columns[c].header);
   for (std::size_t r = 0; r < rows.size(); ++r) {
-    for (int c = 0; c < column_count; ++c) {
+    for (int c : shown) {
       cells[r].push_back(columns[c].cell(rows[r]));
       width[c] = std::max(width[c], cells[r].back().size());
     }
   }
-  for (int c = 0; c < column_count; ++c) {
+  for (int c : shown) {
     std::printf(c == 0 ? "%-*s" : (c < text_columns ? "  %-*s" : "  %*s"), static_cast<int>(width[c]),
                 columns[c].header);
   }
   std::printf("\n");
   for (const auto& row : cells) {
-    for (int c = 0; c < column_count; ++c) {
-      std::printf(c == 0 ? "%-*s" : (c < text_columns ? "  %-*s" : "  %*s"), static_cast<int>(width[c]),
-                  row[static_cast<std::size_t>(c)].c_str());
+    for (std::size_t j = 0; j < shown.size(); ++j) {
+      const int c = shown[j];
+      std::printf(c == 0 ? "%-*s" : (c < text_columns ? "  %-*s" : "  %*s"),
+                  static_cast<int>(width[c]), row[j].c_str());
     }
     std::printf("\n");
   }
@@ -1206,12 +1329,24 @@ void write_md(const std::string& path, const GpuInfo& gpu, const Args& args, con
                "quant_blend). fused = qbl::amax_quant_blend, the prologue as forward() issues it "
                "(one single-block launch up to 2^15 elements).\n\n",
                args.reps, args.min_ms);
-  for (int c = 0; c < column_count; ++c) std::fprintf(f, "| %s ", columns[c].header);
+  const bool train = any_train(rows);
+  if (train) {
+    std::fprintf(
+        f,
+        "train = one forward into caller buffers + one backward computing grad_x, "
+        "grad_logits, grad_weight and grad_bias (QuantBlendLinear built with "
+        "Options::backward), x and logits rotating, grad_out fixed; tgraph = the same "
+        "replayed from a CUDA graph. dgrad / wgrad = bare cuBLASLt NN g*W and NT g^T*mixed "
+        "(+ BGRADB bias gradient). tfloor = floor + dgrad + wgrad + 3*tokens*D*E B at copy "
+        "bandwidth (read g_mixed and x, write grad_x).\n\n");
+  }
+  const std::vector<int> shown = shown_columns(rows);
+  for (int c : shown) std::fprintf(f, "| %s ", columns[c].header);
   std::fprintf(f, "|\n");
-  for (int c = 0; c < column_count; ++c) std::fprintf(f, c < text_columns ? "| --- " : "| ---: ");
+  for (int c : shown) std::fprintf(f, c < text_columns ? "| --- " : "| ---: ");
   std::fprintf(f, "|\n");
   for (const Row& r : rows) {
-    for (int c = 0; c < column_count; ++c) std::fprintf(f, "| %s ", columns[c].cell(r).c_str());
+    for (int c : shown) std::fprintf(f, "| %s ", columns[c].cell(r).c_str());
     std::fprintf(f, "|\n");
   }
   std::fprintf(f, "\n| shape | dtype | mixed bit-equal | amax bit-equal | out max rel diff | out bit-equal | bare GEMM algo |\n");
@@ -1220,6 +1355,36 @@ void write_md(const std::string& path, const GpuInfo& gpu, const Args& args, con
     std::fprintf(f, "| %s | %s | %s | %s | %.3g | %s | %s |\n", r.label().c_str(), r.dtype_label(),
                  r.mixed_bit_equal ? "yes" : "no", r.amax_bit_equal ? "yes" : "no", r.out_max_rel_diff,
                  r.out_bit_equal ? "yes" : "no", r.bare_algo.c_str());
+  }
+  if (train) {
+    std::fprintf(
+        f,
+        "\nTraining check (input set 0; max rel diff = max|diff| / max|ref| against the "
+        "bare products' outputs, grad_x through qbl::grad_x_value on the host):\n\n"
+        "| shape | dtype | ok | unwritten | non-finite | mixed bit-equal | grad_x | "
+        "grad_weight | grad_bias | tolerance | graph bit-equal | BGRADB | bare dgrad algo | "
+        "bare wgrad algo |\n"
+        "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | "
+        "--- |\n");
+    for (const Row& r : rows) {
+      const TrainRow& t = r.train;
+      if (!t.timed()) continue;
+      std::fprintf(f,
+                   "| %s | %s | %s | %" PRId64 " | %" PRId64
+                   " | %s | %.3g | %.3g | %.3g | %.0e | %s | %s | %s | %s |\n",
+                   r.label().c_str(), r.dtype_label(), t.check_ok() ? "yes" : "NO", t.unwritten,
+                   t.nonfinite, t.mixed_bit_equal ? "yes" : "no", t.grad_x_rel_diff,
+                   t.grad_weight_rel_diff, t.grad_bias_rel_diff, t.tolerance,
+                   t.graph_bit_equal < 0 ? "" : (t.graph_bit_equal ? "yes" : "no"),
+                   t.bgradb ? "yes" : "no (wgrad without epilogue)", t.dgrad_algo.c_str(),
+                   t.wgrad_algo.c_str());
+    }
+  }
+  for (const Row& r : rows) {
+    if (!r.train.skipped.empty()) {
+      std::fprintf(f, "\nTraining items skipped for %s %s: %s\n", r.label().c_str(),
+                   r.dtype_label(), r.train.skipped.c_str());
+    }
   }
   std::fclose(f);
   std::printf("wrote %s\n", path.c_str());
@@ -1366,6 +1531,27 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
                 row.graph_bit_equal ? "yes" : "no");
   }
 
+  // ---- the training items (bench_train.cuh): the layer built for training, checked, graphs ----
+  std::unique_ptr<TrainBench<T>> train;
+  if (args.train) {
+    const InputSets<T> inputs{x_sets.as<char>(), logit_sets.as<char>(), x_stride, l_stride, sets};
+    try {
+      train = std::make_unique<TrainBench<T>>(tokens, d, w.as<T>(), bias.as<T>(), inputs, tf32,
+                                              gpu.sms, stream);
+    } catch (const std::exception& e) {  // qbl could not plan the backward: report, time the rest
+      row.train.skipped = e.what();
+      std::printf(
+          "  %-4s train: SKIPPED, QuantBlendLinear with Options::backward could not be built: %s\n",
+          dt, e.what());
+    }
+  }
+  if (train) {
+    train->check(dt, mixed_ready.as<T>(), row.train);
+    if (args.graph && n < launch_bound_elements) {
+      train->capture_graphs(std::min<std::size_t>(sets, max_graph_sets), dt, row.train);
+    }
+  }
+
   // ---- timing: every item of this shape and dtype side by side (RunTimer::measure_together) ----
   row.copy_bytes = static_cast<double>(copy_bytes);
   row.t[copy_item] = copy;
@@ -1404,8 +1590,10 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     const auto k = static_cast<std::size_t>(i);
     chain.run(x_of(k), logits_of(k), out_chain.as<T>(), stream);
   });
+  if (train) train->add_items(runs);  // train, [train_graph], bare_dgrad, bare_wgrad
   // --gemm-probe: the bare GEMM planned as qbl::LinearGemm plans it, one difference at a time, and
   // the layer's own first-ranked GEMM, on the same operands and timed with the rest.
+  const std::size_t first_probe = runs.size();
   const BareQuery probes[] = {{4, true, false}, {1, false, false}, {1, true, true}, {4, false, true}};
   std::vector<std::unique_ptr<BareGemm<T>>> variants;
   DeviceBuffer plain_ws(args.gemm_probe ? layer.gemm().workspace_bytes() : 0);
@@ -1428,12 +1616,13 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     row.t[ids[k]] = timed[k];
     report(dt, ids[k], timed[k]);
   }
+  if (train) train->collect(timed, dt, row.train);
   if (args.gemm_probe) {
     std::printf("  %-4s probe bare default          %.4f ms  %s\n", dt, row.ms(bare_gemm_item),
                 bare.describe_all().c_str());
     for (std::size_t v = 0; v < variants.size(); ++v) {
       std::printf("  %-4s probe bare %-20s %.4f ms  %s\n", dt, probes[v].name().c_str(),
-                  timed[ids.size() + v].median_ms, variants[v]->describe_all().c_str());
+                  timed[first_probe + v].median_ms, variants[v]->describe_all().c_str());
     }
     std::printf("  %-4s probe LinearGemm, default options %.4f ms  %s\n", dt, timed.back().median_ms,
                 plain->describe(tokens, true).c_str());
@@ -1445,6 +1634,16 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
               "held by the harness %.2f GiB\n",
               dt, row.copy_gbps(), row.floor_ms(), row.over_floor(forward_item), row.speedup_vs_eager(),
               g_allocated_bytes / (1024.0 * 1048576.0));
+  if (row.train.timed()) {
+    std::printf(
+        "  %-4s train floor %.4f ms (floor + bare_dgrad + bare_wgrad%s + 3 x tokens x D x E B at "
+        "copy), train/floor %.3f%s\n",
+        dt, row.train_floor_ms(), row.train.bgradb ? "" : " WITHOUT BGRADB",
+        row.train_over_floor(train_item),
+        row.train.t[train_graph_item].valid()
+            ? (", train_graph/floor " + fmt("%.3f", row.train_over_floor(train_graph_item))).c_str()
+            : "");
+  }
   return row;
 }
 
@@ -1527,6 +1726,31 @@ int run(const Args& args) {
   }
   std::printf("mixed bit-equal to the eager chain on every shape and dtype: %s\n",
               unequal.empty() ? "yes" : ("NO (" + unequal + ")").c_str());
+  if (args.train) {
+    std::string failed, skipped, no_bgradb;  // "shape dtype" lists
+    auto add = [](std::string& list, const Row& r) {
+      list += std::string(list.empty() ? "" : ", ") + r.label() + " " + r.dtype_label();
+    };
+    for (const Row& r : rows) {
+      if (!r.train.timed()) {
+        add(skipped, r);
+        continue;
+      }
+      if (!r.train.check_ok()) add(failed, r);
+      if (!r.train.bgradb) add(no_bgradb, r);
+    }
+    std::printf(
+        "training check (outputs written and finite, mixed bit-equal, gradients within "
+        "tolerance of the bare products) on every shape and dtype timed: %s\n",
+        failed.empty() ? "yes" : ("NO (" + failed + ")").c_str());
+    if (!skipped.empty()) std::printf("training items SKIPPED for: %s\n", skipped.c_str());
+    if (!no_bgradb.empty()) {
+      std::printf(
+          "NOTE: no cuBLASLt BGRADB algorithm for: %s -- their bare_wgrad ran without the "
+          "bias-gradient epilogue\n",
+          no_bgradb.c_str());
+    }
+  }
   if (!args.csv_path.empty()) write_csv(args.csv_path, gpu, rows);
   if (!args.md_path.empty()) write_md(args.md_path, gpu, args, rows);
   return 0;

@@ -1,8 +1,8 @@
-// Random cases for the property tests, and a reference for `mixed` written independently of
-// qbl/element_math.cuh: each fp32 op is done in double and rounded to float (exact for one +, -, *
-// or / of two floats), then rounded to the dtype by a rounding that does not use CUDA's
-// conversions. Host-only.
+// Random cases for the forward's property tests; the reference they are checked against, written
+// independently of qbl/element_math.cuh, is tests/reference.hpp. Host-only.
 #pragma once
+
+#include "reference.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -14,38 +14,6 @@
 #include <vector>
 
 namespace qbl_test {
-
-/// Round a float to a binary format with `p` significand bits and minimum normal exponent `emin`,
-/// ties to even, overflowing to infinity -- independent of CUDA's conversion functions.
-inline float round_binary(float v, int p, int emin, double max_finite) {
-  if (std::isnan(v) || std::isinf(v) || v == 0.0f) return v;
-  int e = 0;
-  std::frexp(static_cast<double>(v), &e);  // |v| in [2^(e-1), 2^e)
-  const int lsb = std::max(e - p, emin - p + 1);
-  const double r = std::ldexp(std::nearbyint(std::ldexp(static_cast<double>(v), -lsb)), lsb);
-  if (std::fabs(r) > max_finite) return std::copysign(std::numeric_limits<float>::infinity(), v);
-  return static_cast<float>(r);
-}
-inline float ref_bf16(float v) { return round_binary(v, 8, -126, 3.3895313892515355e38); }
-inline float ref_fp16(float v) { return round_binary(v, 11, -14, 65504.0); }
-
-/// The element types and GEMM modes the property test draws from.
-enum class DType { fp32, tf32, bf16, fp16 };
-
-inline const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::fp32: return "fp32";
-    case DType::tf32: return "tf32";
-    case DType::bf16: return "bf16";
-    case DType::fp16: return "fp16";
-  }
-  return "?";
-}
-
-/// v rounded to the dtype's storage format (tf32 stores fp32).
-inline float ref_round(DType t, float v) {
-  return t == DType::bf16 ? ref_bf16(v) : (t == DType::fp16 ? ref_fp16(v) : v);
-}
 
 /// Non-finite and edge inputs a case may carry.
 enum class Special { none, nan_x, pos_inf_x, neg_inf_x, nan_logit, inf_logits, zero_x, neg_zero_x,
@@ -159,35 +127,6 @@ inline PropertyData make_property_data(const PropertyCase& c) {
       break;
   }
   return d;
-}
-
-/// max |x| with NaN on top, as eager's max.
-inline float reference_amax(const std::vector<float>& x) {
-  float m = 0.0f;
-  for (float v : x) {
-    if (std::isnan(v)) return v;
-    m = std::max(m, std::fabs(v));
-  }
-  return m;
-}
-
-/// eager's scale for that amax in the dtype: clamp(amax, 1e-8 rounded to the dtype), times
-/// fl(1/127), rounded to the dtype.
-inline float reference_scale(DType t, float amax) {
-  const float bound = ref_round(t, 1e-8f);
-  const float clamped = amax < bound ? bound : amax;
-  return ref_round(t, static_cast<float>(static_cast<double>(clamped) * static_cast<double>(1.0f / 127.0f)));
-}
-
-/// eager's mixed for one element, op by op: fp32 op, rounded to the dtype.
-inline float reference_mixed(DType t, float x, float alpha, float scale) {
-  auto op = [&](double v) { return ref_round(t, static_cast<float>(v)); };
-  float q = std::nearbyint(op(static_cast<double>(x) / scale));
-  q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
-  const float xq = op(static_cast<double>(q) * scale);
-  const float oma = op(1.0 - static_cast<double>(alpha));
-  return op(static_cast<double>(op(static_cast<double>(alpha) * xq)) +
-            static_cast<double>(op(static_cast<double>(oma) * x)));
 }
 
 }  // namespace qbl_test

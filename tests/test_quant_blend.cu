@@ -1,6 +1,7 @@
 // qbl/quant_blend.cuh: the fused quant-blend launchers against a CPU reference, element-exact.
 #include <qbl/quant_blend.cuh>
 
+#include "reference.hpp"
 #include "test_support.hpp"
 #include "test_support_device.cuh"
 
@@ -37,19 +38,6 @@ __global__ void device_sigmoid(const float* l, float* alpha, std::int64_t n) {
 struct Inputs {
   std::vector<float> x, logits, alpha;
 };
-
-std::vector<float> cpu_mixed(const Inputs& in, std::int64_t tokens, std::int64_t features,
-                             float* scale_out = nullptr) {
-  std::uint32_t m = 0;
-  for (float v : in.x) m = std::max(m, qbl::abs_bits(v));
-  const float scale = qbl::scale_from_amax(qbl::from_abs_bits(m));
-  if (scale_out) *scale_out = scale;
-  std::vector<float> r(in.x.size());
-  for (std::int64_t t = 0; t < tokens; ++t)
-    for (std::int64_t c = 0; c < features; ++c)
-      r[t * features + c] = qbl::quant_blend_value(in.x[t * features + c], in.alpha[t], scale);
-  return r;
-}
 
 enum class Path { two_stage, combined };
 
@@ -103,7 +91,8 @@ class QuantBlendDevice : public ::testing::TestWithParam<Case> {
     QBL_ASSERT_CUDA(qbl_test::to_host(got, dm.get(offset)));
     QBL_ASSERT_CUDA(qbl_test::to_host(stats, dstats.get()));
     float want_scale = 0;
-    mixed_ = cpu_mixed(in, tokens, features, &want_scale);
+    mixed_ = qbl_test::reference_mixed(qbl_test::DType::fp32, in.x, in.alpha, tokens, features, nullptr,
+                                         &want_scale);
     got_ = got;
     EXPECT_TRUE(qbl_test::bits_equal(got, mixed_, static_cast<std::size_t>(features)));
     if (std::isnan(want_scale)) {
@@ -220,15 +209,11 @@ TYPED_TEST(QuantBlendDevice16, MatchesCpuOpByOp) {
       QBL_ASSERT_CUDA(qbl_test::to_host(stats, dstats.get()));
       QBL_ASSERT_CUDA(qbl_test::to_host(got, dm.get(sh.offset)));
       const std::vector<float> xf = qbl_test::widen(x);
-      std::uint32_t m = 0;
-      for (float v : xf) m = std::max(m, qbl::abs_bits(v));
-      const float scale = qbl::scale_from_amax<T>(qbl::from_abs_bits(m));
-      EXPECT_EQ(bits(stats[0]), m);
+      float amax = 0, scale = 0;
+      const std::vector<float> want = qbl_test::reference_mixed(qbl_test::dtype_of<T>(), xf, alpha, sh.tokens,
+                                                                sh.features, &amax, &scale);
+      EXPECT_EQ(bits(stats[0]), bits(amax));
       EXPECT_EQ(bits(stats[1]), bits(scale));
-      std::vector<float> want(n);
-      for (std::int64_t t = 0; t < sh.tokens; ++t)
-        for (std::int64_t c = 0; c < sh.features; ++c)
-          want[t * sh.features + c] = qbl::quant_blend_value<T>(xf[t * sh.features + c], alpha[t], scale);
       EXPECT_TRUE(qbl_test::bits_equal(qbl_test::widen(got), want, static_cast<std::size_t>(sh.features)));
     }
   }

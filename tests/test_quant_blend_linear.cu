@@ -2,6 +2,7 @@
 // float64 product of it, non-finite inputs, argument validation, moves and CUDA graphs.
 #include <qbl/quant_blend_linear.cuh>
 
+#include "reference.hpp"
 #include "test_support.hpp"
 #include "test_support_device.cuh"
 
@@ -91,14 +92,7 @@ struct Problem {
     device_sigmoid<<<static_cast<unsigned>((tokens + 255) / 256), 256>>>(dl.get(offset), da.get(), tokens);
     std::vector<float> alpha(static_cast<std::size_t>(tokens));
     EXPECT_EQ(qbl_test::to_host(alpha, da.get()), cudaSuccess);
-    std::uint32_t m = 0;
-    for (float v : x) m = std::max(m, qbl::abs_bits(v));
-    const float scale = qbl::scale_from_amax(qbl::from_abs_bits(m));
-    std::vector<float> r(x.size());
-    for (std::int64_t t = 0; t < tokens; ++t)
-      for (std::int64_t c = 0; c < in; ++c)
-        r[t * in + c] = qbl::quant_blend_value(x[t * in + c], alpha[t], scale);
-    return r;
+    return qbl_test::reference_mixed(qbl_test::DType::fp32, x, alpha, tokens, in);
   }
 };
 
@@ -138,9 +132,8 @@ TEST_P(QuantBlendLinearDevice, MixedIsExactAndOutMatchesFloat64) {
 
   std::vector<float> scale(1);
   QBL_ASSERT_CUDA(qbl_test::to_host(scale, layer.device_scale()));
-  std::uint32_t m = 0;
-  for (float v : p.x) m = std::max(m, qbl::abs_bits(v));
-  EXPECT_EQ(bits(scale[0]), bits(qbl::scale_from_amax(qbl::from_abs_bits(m))));
+  EXPECT_EQ(bits(scale[0]),
+            bits(qbl_test::reference_scale(qbl_test::DType::fp32, qbl_test::reference_amax(p.x))));
 
   // Same inputs, same bits.
   QBL_ASSERT_CUDA(p.poison_out());
@@ -358,13 +351,8 @@ TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
     QBL_ASSERT_CUDA(qbl_test::to_host(alpha, dalpha.get()));
     QBL_ASSERT_CUDA(qbl_test::to_host(mixed, layer.device_mixed()));
     QBL_ASSERT_CUDA(qbl_test::to_host(out, dout.get(sh.offset)));
-    std::uint32_t m = 0;
-    for (float v : xf) m = std::max(m, qbl::abs_bits(v));
-    const float scale = qbl::scale_from_amax<T>(qbl::from_abs_bits(m));
-    std::vector<float> want_mixed(xf.size());
-    for (std::int64_t t = 0; t < sh.tokens; ++t)
-      for (std::int64_t c = 0; c < sh.in; ++c)
-        want_mixed[t * sh.in + c] = qbl::quant_blend_value<T>(xf[t * sh.in + c], alpha[t], scale);
+    const std::vector<float> want_mixed =
+        qbl_test::reference_mixed(qbl_test::dtype_of<T>(), xf, alpha, sh.tokens, sh.in);
     EXPECT_TRUE(qbl_test::bits_equal(qbl_test::widen(mixed), want_mixed, static_cast<std::size_t>(sh.in)));
     const std::vector<float> got = qbl_test::widen(out);
     for (std::size_t i = 0; i < got.size(); ++i) ASSERT_FALSE(std::isnan(got[i])) << "unwritten or NaN " << i;
@@ -373,7 +361,7 @@ TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
     // epilogue measured up to 1.65x the error of one rounding on the H200 (eager's F.linear runs
     // the same algorithms).
     std::vector<float> rounded(want.size());
-    for (std::size_t i = 0; i < want.size(); ++i) rounded[i] = qbl::detail::round_to<T>(static_cast<float>(want[i]));
+    for (std::size_t i = 0; i < want.size(); ++i) rounded[i] = qbl_test::ref_round(qbl_test::dtype_of<T>(), static_cast<float>(want[i]));
     const double best = qbl_test::relative_error(rounded, want);
     const double err = qbl_test::relative_error(got, want);
     EXPECT_LE(err, 2.5 * best + 1e-6) << "one rounding of the exact product: " << best;

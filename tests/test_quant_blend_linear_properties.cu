@@ -90,16 +90,11 @@ Outcome run_case(const PropertyCase& c, const PropertyData& d) {
   return {};
 }
 
-/// The reference's mixed for the case, with alpha as the device computed it (eager's expf).
+/// The reference's mixed for the case (tests/reference.hpp), with alpha as the device computed it
+/// (eager's expf).
 std::vector<float> reference_mixed(const PropertyCase& c, const PropertyData& d,
                                    const std::vector<float>& alpha, float* amax, float* scale) {
-  *amax = qbl_test::reference_amax(d.x);
-  *scale = qbl_test::reference_scale(c.dtype, *amax);
-  std::vector<float> m(d.x.size());
-  for (std::int64_t t = 0; t < c.tokens; ++t)
-    for (std::int64_t i = 0; i < c.in; ++i)
-      m[t * c.in + i] = qbl_test::reference_mixed(c.dtype, d.x[t * c.in + i], alpha[t], *scale);
-  return m;
+  return qbl_test::reference_mixed(c.dtype, d.x, alpha, c.tokens, c.in, amax, scale);
 }
 
 /// out must be NaN exactly where the float64 product of the reference mixed is, and otherwise
@@ -173,10 +168,7 @@ struct EdgeCase {
   std::function<void(const PropertyCase&, const PropertyData&, const Outcome&)> expect;
 };
 
-template <typename T>
-DType dtype_of() {
-  return std::is_same_v<T, float> ? DType::fp32 : (std::is_same_v<T, __half> ? DType::fp16 : DType::bf16);
-}
+using qbl_test::dtype_of;
 
 template <typename T>
 class NonFiniteTable : public ::testing::Test {};

@@ -2,6 +2,7 @@
 // instances, determinism and tensors past 2^31 elements.
 #include <qbl/quant_blend_linear.cuh>
 
+#include "reference.hpp"
 #include "test_support.hpp"
 
 #include <cmath>
@@ -290,7 +291,7 @@ TEST(QuantBlendLinearHuge, MoreThanTwoToThe31ElementsOfX) {
   QBL_ASSERT_CUDA(qbl_test::to_host(y, dy.get()));
   for (std::size_t i = 0; i < y.size(); ++i) ASSERT_NE(bits(y[i]), 0xffffffffu) << "unwritten " << i;
   // Rows spread over the whole range, the last ones included, against the CPU.
-  const float scale = qbl::scale_from_amax(9.5f);
+  const float scale = qbl_test::reference_scale(qbl_test::DType::fp32, 9.5f);
   // Rows spread over the whole range, the last one included, against the CPU. alpha comes from the
   // host's expf here, which may differ from the device's in the last place: compare to within that.
   std::vector<float> mixed_row(in);
@@ -299,8 +300,10 @@ TEST(QuantBlendLinearHuge, MoreThanTwoToThe31ElementsOfX) {
     const float alpha = qbl::sigmoid(logits[t]);
     for (std::int64_t c = 0; c < in; ++c) {
       const float xv = x[t * in + c];
-      const float want = qbl::quant_blend_value(xv, alpha, scale);
-      const float slack = 4e-7f * (std::fabs(xv) + std::fabs(qbl::fake_quant(xv, scale))) + 1e-30f;
+      const float want = qbl_test::reference_mixed(qbl_test::DType::fp32, xv, alpha, scale);
+      const float slack =
+          4e-7f * (std::fabs(xv) + std::fabs(qbl_test::reference_fake_quant(qbl_test::DType::fp32, xv, scale))) +
+          1e-30f;
       ASSERT_NEAR(mixed_row[c], want, slack) << "row " << t << " col " << c;
     }
   }

@@ -102,7 +102,8 @@ struct GemmSpec {
   }
   /// Its weight gradient (wgrad), g_w[o, i] = sum_t g[t, o] a[t, i]: the NT product (A = a,
   /// B = g, D = g_w) with the bias gradient sum_t g[t, o] from BGRADB (vector = grad_bias):
-  /// the reduction runs over the GEMM's k, the tokens, on the B operand, which is g.
+  /// the reduction runs over the GEMM's k, the tokens, on the B operand, which is g. (Not
+  /// planned for in_features == 1: see GemmPlan's constructor.)
   static GemmSpec linear_wgrad(std::int64_t in_features, std::int64_t out_features) {
     return {CUBLAS_OP_N, CUBLAS_OP_T, in_features, out_features, 0, Tokens::k, CUBLASLT_EPILOGUE_BGRADB};
   }

@@ -169,6 +169,13 @@ class QuantBlendLinear {
   /// Was the backward planned (Options::backward)?
   bool has_backward() const noexcept { return dgrad_ != nullptr; }
 
+  /// The backward's GEMM plans (nullptr without Options::backward), for what they serve:
+  /// dgrad_plan()->supports(weight, grad_out, nullptr, g_mixed, tokens) and
+  /// wgrad_plan()->supports(mixed, grad_out, grad_bias, grad_weight, tokens) say whether backward()
+  /// runs them on cuBLASLt (true) or on the fallback kernel; describe() names the algorithm.
+  const GemmPlan<T>* dgrad_plan() const noexcept { return dgrad_.get(); }
+  const GemmPlan<T>* wgrad_plan() const noexcept { return wgrad_.get(); }
+
   std::int64_t in_features() const noexcept { return in_; }
   std::int64_t out_features() const noexcept { return out_; }
   std::int64_t max_tokens() const noexcept { return max_tokens_; }

@@ -124,6 +124,11 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
 
   for (int vec = 0; vec < 2; ++vec) {
     if (vec == 1 && spec_.vector_epilogue == CUBLASLT_EPILOGUE_DEFAULT) continue;
+    // BGRADB with m == 1 is not planned: on an H200 (cuBLASLt 13.1) fp16 wgrad products of a
+    // single row (in_features == 1) returned a wrong or partly unwritten bias gradient at some
+    // token counts, while the product itself was right. run() with a vector then answers
+    // NOT_SUPPORTED and QuantBlendLinear sums the bias gradient with its own kernel.
+    if (vec == 1 && spec_.vector_epilogue == CUBLASLT_EPILOGUE_BGRADB && spec_.m == 1) continue;
     cublasLtMatmulDesc_t d = nullptr;
     QBL_CUBLAS_TRY(cublasLtMatmulDescCreate(&d, gemm_traits<T>::compute_type(options), CUDA_R_32F));
     desc_[vec].reset(d);
@@ -328,6 +333,13 @@ void GemmPlan<T>::plan_bucket(std::size_t i, Scratch& scratch) {
       cublasLtMatmulHeuristicResult_t results[max_candidates] = {};
       int found = 0;
       set_tokens(hi);
+      // No vector pointer while asking: the heuristic reads the one on the descriptor, and a
+      // trial launch's (aligned to a small class on purpose) made it offer an algorithm 8x slower
+      // for every 256-byte-aligned call after it (bf16, 4096 x 4096 x 16384, on an H200).
+      if (vec) {
+        const void* none = nullptr;
+        detail::set_desc(desc_[1].get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, none);
+      }
       QBL_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(
           handle_.get(), desc_[vec].get(), a_layout_.get(), b_layout_.get(), d_layout_.get(),
           d_layout_.get(), pref_[cls].get(), wanted, results, &found));

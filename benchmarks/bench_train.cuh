@@ -1,0 +1,469 @@
+// bench_train.cuh -- qbl_bench's training items: QuantBlendLinear<T>'s forward + backward next to
+// a floor made of bare cuBLASLt products. A part of bench.cu, which includes it after its checking
+// macros, device buffers, element conversions, random fills, cuBLASLt helpers and timer (all used
+// here); it does not compile on its own.
+//
+// Items, timed side by side with the forward's items of the same shape and dtype (one round
+// robin, same warm-up, same median of per-run event times):
+//   train        one forward writing caller-provided `mixed` and `stats` buffers, as a framework
+//                keeps them per call, then one backward computing all four gradients (x, logits,
+//                weight, bias; accumulate = false, QuantGrad::zero), on one QuantBlendLinear<T>
+//                built with Options::backward (and allow_tf32 for tf32). x and logits rotate over
+//                the forward's input sets. grad_out is ONE fixed random tensor: in training it is
+//                consumed right after the next layer's backward produced it, so it need not come
+//                cold from HBM. mixed/stats are one fixed pair, written by the run's own forward.
+//   train_graph  the same forward + backward captured into a CUDA graph per input set and
+//                replayed (launch-bound shapes only, as the forward's `graph`)
+//   bare_dgrad   cuBLASLt NN: g_mixed[t, i] = sum_o g[t, o] W[o, i]; A, B, D in T, fp32 compute
+//                and scale (TF32 compute for tf32), no epilogue
+//   bare_wgrad   cuBLASLt NT: grad_W[o, i] = sum_t g[t, o] mixed[t, i], with
+//                CUBLASLT_EPILOGUE_BGRADB writing grad_bias[o] = sum_t g[t, o] (in T for 16-bit).
+//                If cuBLASLt offers no BGRADB algorithm for the dtype, the same product without
+//                epilogue is timed instead and the run says so ("bgradb 0" in the CSV).
+// Both bare products are set up as the forward's bare GEMM: default preferences besides the 32 MiB
+// workspace (and split-K partials reduced in fp32 only for 16-bit T), cuBLASLt's first heuristic
+// result, operands from cudaMalloc (256-byte aligned), g and W never rotating.
+//
+// train floor = forward floor (bare GEMM + 2 * tokens * D * E B at copy bandwidth)
+//               + bare_dgrad + bare_wgrad
+//               + 3 * tokens * D * E B at copy bandwidth (the backward's elementwise stage reads
+//                 g_mixed and x once and writes grad_x once).
+//
+// Check before timing, on input set 0: out, mixed and the four gradients are poisoned (all bits
+// set: a NaN in every dtype), one forward + backward runs, and then no element may still hold the
+// poison or be non-finite; `mixed` must be bit-equal to the plain forward's; grad_weight and
+// grad_bias are compared with bare_wgrad's outputs on the same operands (grad_bias with a host
+// fp64 sum of grad_out when there is no BGRADB), and grad_x with qbl::grad_x_value applied on the
+// host to bare_dgrad's g_mixed (alpha from the host's expf, which may differ from the device's in
+// the last place) -- each as max|diff| / max|ref|. The check reports; it does not stop the run.
+
+namespace {
+
+enum TrainItem { train_item, train_graph_item, bare_dgrad_item, bare_wgrad_item, train_item_count };
+const char* const train_item_names[train_item_count] = {"train", "train_graph", "bare_dgrad",
+                                                        "bare_wgrad"};
+
+// What the training items measured and checked for one shape and dtype.
+struct TrainRow {
+  Timing t[train_item_count];
+  bool bgradb = false;  // bare_wgrad ran with the BGRADB epilogue
+  bool mixed_bit_equal = false;
+  double grad_x_rel_diff = NAN, grad_weight_rel_diff = NAN, grad_bias_rel_diff = NAN;
+  double tolerance = NAN;                       // of the three rel diffs, for this dtype
+  std::int64_t unwritten = -1, nonfinite = -1;  // elements of out and the four gradients
+  int graph_bit_equal = -1;                     // -1: no graph
+  std::string dgrad_algo, wgrad_algo;
+  std::string skipped;  // why the items did not run when they were asked for
+
+  bool timed() const { return t[train_item].valid(); }
+  double ms(TrainItem i) const { return t[i].median_ms; }
+  bool check_ok() const {
+    auto within = [&](double v) { return v <= tolerance; };  // false for NaN
+    return unwritten == 0 && nonfinite == 0 && mixed_bit_equal && within(grad_x_rel_diff) &&
+           within(grad_weight_rel_diff) && within(grad_bias_rel_diff) && graph_bit_equal != 0;
+  }
+};
+
+void report_train(const char* dtype, TrainItem i, const Timing& t) {
+  std::printf("  %-4s %-15s median %9.4f ms  min %9.4f ms  (%d runs)\n", dtype, train_item_names[i],
+              t.median_ms, t.min_ms, t.runs);
+  std::fflush(stdout);
+}
+
+// The rotating input sets of one shape: set k at x + (k % count) * x_stride, likewise logits.
+template <typename T>
+struct InputSets {
+  const char* x = nullptr;
+  const char* logits = nullptr;
+  std::size_t x_stride = 0, l_stride = 0, count = 1;
+
+  const T* x_of(std::size_t k) const {
+    return reinterpret_cast<const T*>(x + (k % count) * x_stride);
+  }
+  const T* logits_of(std::size_t k) const {
+    return reinterpret_cast<const T*>(logits + (k % count) * l_stride);
+  }
+};
+
+template <typename T>
+std::vector<T> download(const T* d, std::size_t count) {
+  std::vector<T> h(count);
+  CUDA_CHECK(cudaMemcpy(h.data(), d, count * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// max|a - ref| / max|ref| (max|a - ref| when ref is all zero); NaN if any difference is NaN.
+template <typename T>
+double max_rel_diff(const std::vector<T>& a, const std::vector<T>& ref) {
+  double max_diff = 0.0, max_ref = 0.0;
+  for (std::size_t i = 0; i < a.size() && i < ref.size(); ++i) {
+    const double r = to_f32(ref[i]);
+    const double diff = std::fabs(static_cast<double>(to_f32(a[i])) - r);
+    if (std::isnan(diff)) return NAN;
+    max_diff = std::max(max_diff, diff);
+    max_ref = std::max(max_ref, std::fabs(r));
+  }
+  return max_ref > 0.0 ? max_diff / max_ref : max_diff;
+}
+
+// Elements still holding the poison (every byte 0xff), and elements that are not finite.
+template <typename T>
+void count_bad(const std::vector<T>& v, std::int64_t& unwritten, std::int64_t& nonfinite) {
+  unsigned char poison[sizeof(T)];
+  std::memset(poison, 0xff, sizeof poison);
+  for (const T& e : v) {
+    if (std::memcmp(&e, poison, sizeof(T)) == 0) ++unwritten;
+    if (!std::isfinite(to_f32(e))) ++nonfinite;
+  }
+}
+
+// One bare cuBLASLt product D = op(A) · op(B) (+ a vector epilogue) over contiguous column-major
+// operands in T, planned once: the top heuristic result for the exact shape.
+struct BareSpec {
+  cublasOperation_t ta, tb;
+  std::int64_t a_rows, a_cols, b_rows, b_cols, d_rows, d_cols;  // as stored, ld = rows
+  cublasLtEpilogue_t epilogue;
+};
+
+template <typename T>
+class BareProduct {
+ public:
+  // `vector`: the epilogue's vector (bias gradient), fixed for every run; nullptr without one.
+  // found() is false when cuBLASLt's heuristic offers no algorithm; run() must not be called then.
+  BareProduct(const BareSpec& spec, void* vector, cublasComputeType_t compute)
+      : workspace_(gemm_workspace_bytes) {
+    constexpr cudaDataType_t type = cuda_data_type<T>();
+    handle_ = make_lt_handle();
+    desc_ = make_lt_desc(compute);
+    set_desc(CUBLASLT_MATMUL_DESC_TRANSA, spec.ta);
+    set_desc(CUBLASLT_MATMUL_DESC_TRANSB, spec.tb);
+    set_desc(CUBLASLT_MATMUL_DESC_EPILOGUE, spec.epilogue);
+    if (spec.epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
+      set_desc(CUBLASLT_MATMUL_DESC_BIAS_POINTER, vector);
+      if (type != CUDA_R_32F) {
+        set_desc(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<std::int32_t>(type));
+      }
+    }
+    a_ = make_lt_layout(type, spec.a_rows, spec.a_cols);
+    b_ = make_lt_layout(type, spec.b_rows, spec.b_cols);
+    d_ = make_lt_layout(type, spec.d_rows, spec.d_cols);
+    pref_ = make_bare_preference<T>();
+    cublasLtMatmulHeuristicResult_t result = {};
+    int found = 0;
+    const cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(handle_.get(), desc_.get(), a_.get(), b_.get(), d_.get(),
+                                       d_.get(), pref_.get(), 1, &result, &found);
+    if (st == CUBLAS_STATUS_NOT_SUPPORTED) return;  // no algorithm for this configuration
+    if (st != CUBLAS_STATUS_SUCCESS) {
+      die("cublasLtMatmulAlgoGetHeuristic (bare training product)", cublasLtGetStatusString(st),
+          __FILE__, __LINE__);
+    }
+    found_ = found >= 1 && result.state == CUBLAS_STATUS_SUCCESS;
+    algo_ = result.algo;
+  }
+  BareProduct(const BareProduct&) = delete;
+  BareProduct& operator=(const BareProduct&) = delete;
+
+  bool found() const { return found_; }
+  std::string describe() const { return found_ ? algo_summary(algo_) : std::string("none"); }
+
+  void run(const T* a, const T* b, T* d, cudaStream_t s) {
+    if (!found_) die("BareProduct::run", "no cuBLASLt algorithm was found", __FILE__, __LINE__);
+    const float one = 1.0f, zero = 0.0f;
+    CUBLAS_CHECK(cublasLtMatmul(handle_.get(), desc_.get(), &one, a, a_.get(), b, b_.get(), &zero,
+                                d, d_.get(), d, d_.get(), &algo_, workspace_.as<void>(),
+                                gemm_workspace_bytes, s));
+  }
+
+ private:
+  template <typename V>
+  void set_desc(cublasLtMatmulDescAttributes_t attr, const V& v) {
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_.get(), attr, &v, sizeof v));
+  }
+
+  DeviceBuffer workspace_;
+  qbl::detail::lt_handle handle_;  // declared first: destroyed last
+  qbl::detail::lt_matmul_desc desc_;
+  qbl::detail::lt_layout a_, b_, d_;
+  qbl::detail::lt_preference pref_;
+  cublasLtMatmulAlgo_t algo_ = {};
+  bool found_ = false;
+};
+
+// Row-major g_mixed[tokens, in] = g[tokens, out] · W[out, in] as the column-major product
+// g_mixedᵀ (in x tokens) = Wᵀ-view (in x out, ld in) · gᵀ-view (out x tokens, ld out): NN.
+inline BareSpec dgrad_spec(std::int64_t in, std::int64_t out, std::int64_t tokens) {
+  return {CUBLAS_OP_N, CUBLAS_OP_N, in, out, out, tokens, in, tokens, CUBLASLT_EPILOGUE_DEFAULT};
+}
+
+// Row-major grad_W[out, in] = gᵀ · mixed as the column-major product grad_Wᵀ (in x out) =
+// mixedᵀ-view (in x tokens) · (gᵀ-view (out x tokens))ᵀ: NT, k = tokens. BGRADB reduces B (g)
+// over k: grad_bias[o] = sum_t g[t, o].
+inline BareSpec wgrad_spec(std::int64_t in, std::int64_t out, std::int64_t tokens,
+                           cublasLtEpilogue_t epilogue) {
+  return {CUBLAS_OP_N, CUBLAS_OP_T, in, tokens, out, tokens, in, out, epilogue};
+}
+
+// Everything the training items of one shape and dtype need. Construction builds the layer for
+// training (which may throw qbl's exceptions: the caller reports and skips the items) and the two
+// bare products, and fills grad_out.
+template <typename T>
+class TrainBench {
+ public:
+  TrainBench(std::int64_t tokens, std::int64_t d, const T* w, const T* bias, InputSets<T> inputs,
+             bool tf32, int sms, cudaStream_t stream)
+      : tokens_(tokens),
+        d_(d),
+        n_(tokens * d),
+        w_(w),
+        bias_(bias),
+        inputs_(inputs),
+        stream_(stream),
+        layer_(d, d, tokens, training_options(tf32)),
+        g_(bytes(n_)),
+        out_(bytes(n_)),
+        mixed_(bytes(n_)),
+        stats_(qbl::QuantBlendLinear<T>::stats_floats * sizeof(float)),
+        grad_x_(bytes(n_)),
+        grad_logits_(bytes(tokens)),
+        grad_w_(bytes(d * d)),
+        grad_b_(bytes(d)),
+        ref_g_mixed_(bytes(n_)),
+        ref_grad_w_(bytes(d * d)),
+        ref_grad_b_(bytes(d)),
+        dgrad_(dgrad_spec(d, d, tokens), nullptr, compute_type(tf32)) {
+    if (!dgrad_.found()) {
+      die("bare_dgrad", "cuBLASLt offers no algorithm for the NN product", __FILE__, __LINE__);
+    }
+    wgrad_ = std::make_unique<BareProduct<T>>(wgrad_spec(d, d, tokens, CUBLASLT_EPILOGUE_BGRADB),
+                                              ref_grad_b_.as<void>(), compute_type(tf32));
+    bgradb_ = wgrad_->found();
+    if (!bgradb_) {  // the product alone; the run notes it
+      wgrad_ = std::make_unique<BareProduct<T>>(wgrad_spec(d, d, tokens, CUBLASLT_EPILOGUE_DEFAULT),
+                                                nullptr, compute_type(tf32));
+      if (!wgrad_->found()) {
+        die("bare_wgrad", "cuBLASLt offers no algorithm for the NT product", __FILE__, __LINE__);
+      }
+    }
+    grads_.x = grad_x_.as<T>();
+    grads_.logits = grad_logits_.as<T>();
+    grads_.weight = grad_w_.as<T>();
+    grads_.bias = grad_b_.as<T>();
+    grads_.accumulate = false;
+    grads_.quant_grad = qbl::QuantGrad::zero;
+    fill_randn(g_.as<T>(), n_, 6, 1.0f, sms, stream_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  ~TrainBench() {
+    cudaStreamSynchronize(stream_);  // no replay may still run; nothing to act on if this fails
+    for (cudaGraphExec_t g : graphs_) cudaGraphExecDestroy(g);  // before layer_ goes
+  }
+  TrainBench(const TrainBench&) = delete;
+  TrainBench& operator=(const TrainBench&) = delete;
+
+  // The check on input set 0 (see the header comment); `plain_mixed` is the plain forward's
+  // `mixed` of set 0. Fills the check fields of `row` and prints them.
+  void check(const char* dt, const T* plain_mixed, TrainRow& row) {
+    row.bgradb = bgradb_;
+    row.dgrad_algo = dgrad_.describe();
+    row.wgrad_algo = wgrad_->describe();
+    row.tolerance = std::is_same_v<T, float> && !layer_.options().allow_tf32 ? 1e-4 : 1e-2;
+    for (const DeviceBuffer* b : {&out_, &mixed_, &grad_x_, &grad_logits_, &grad_w_, &grad_b_,
+                                  &ref_g_mixed_, &ref_grad_w_, &ref_grad_b_}) {
+      CUDA_CHECK(cudaMemsetAsync(b->as<void>(), 0xff, b->bytes(), stream_));
+    }
+    step(0);
+    dgrad_.run(w_, g_.as<T>(), ref_g_mixed_.as<T>(), stream_);
+    wgrad_->run(mixed_.as<T>(), g_.as<T>(), ref_grad_w_.as<T>(), stream_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+
+    const auto n = static_cast<std::size_t>(n_), t = static_cast<std::size_t>(tokens_),
+               dd = static_cast<std::size_t>(d_);
+    row.unwritten = row.nonfinite = 0;
+    {
+      const std::vector<T> mixed = download(mixed_.as<T>(), n);
+      const std::vector<T> plain = download(plain_mixed, n);
+      row.mixed_bit_equal = std::memcmp(mixed.data(), plain.data(), n * sizeof(T)) == 0;
+    }
+    count_bad(download(out_.as<T>(), n), row.unwritten, row.nonfinite);
+    count_bad(download(grad_logits_.as<T>(), t), row.unwritten, row.nonfinite);
+    {
+      const std::vector<T> grad_w = download(grad_w_.as<T>(), dd * dd);
+      count_bad(grad_w, row.unwritten, row.nonfinite);
+      row.grad_weight_rel_diff = max_rel_diff(grad_w, download(ref_grad_w_.as<T>(), dd * dd));
+    }
+    {
+      const std::vector<T> grad_b = download(grad_b_.as<T>(), dd);
+      count_bad(grad_b, row.unwritten, row.nonfinite);
+      row.grad_bias_rel_diff =
+          max_rel_diff(grad_b, bgradb_ ? download(ref_grad_b_.as<T>(), dd) : host_bias_grad());
+    }
+    {
+      const std::vector<T> grad_x = download(grad_x_.as<T>(), n);
+      count_bad(grad_x, row.unwritten, row.nonfinite);
+      row.grad_x_rel_diff = max_rel_diff(grad_x, host_grad_x());
+    }
+    std::printf("  %-4s train check: %" PRId64 " output elements unwritten, %" PRId64
+                " non-finite; mixed bit-equal to the forward's: %s; max rel diff (max|diff| / "
+                "max|ref|) grad_x %.3g, grad_weight %.3g, grad_bias %.3g (tolerance %.0e): %s\n",
+                dt, row.unwritten, row.nonfinite, row.mixed_bit_equal ? "yes" : "no",
+                row.grad_x_rel_diff, row.grad_weight_rel_diff, row.grad_bias_rel_diff,
+                row.tolerance, row.check_ok() ? "ok" : "CHECK FAILED");
+    // What the layer itself runs: cuBLASLt (and which algorithm) or its fallback kernel.
+    const qbl::GemmPlan<T>& dp = *layer_.dgrad_plan();
+    const qbl::GemmPlan<T>& wp = *layer_.wgrad_plan();
+    const bool d_lt = dp.supports(w_, g_.as<T>(), nullptr, grad_x_.as<T>(), tokens_);
+    const bool w_lt = wp.supports(mixed_.as<T>(), g_.as<T>(), grad_b_.as<T>(), grad_w_.as<T>(), tokens_);
+    std::printf("  %-4s layer forward: %s (%s); dgrad: %s (%s); wgrad+BGRADB: %s (%s)\n", dt,
+                layer_.uses_cublaslt(w_, bias_, out_.as<T>(), tokens_) ? "cuBLASLt" : "FALLBACK",
+                layer_.gemm().describe(tokens_, bias_ != nullptr).c_str(),
+                d_lt ? "cuBLASLt" : "FALLBACK", dp.describe(tokens_, false).c_str(),
+                w_lt ? "cuBLASLt" : "FALLBACK", wp.describe(tokens_, true).c_str());
+    std::printf("  %-4s bare dgrad algo: %s; bare wgrad algo: %s%s\n", dt, row.dgrad_algo.c_str(),
+                row.wgrad_algo.c_str(),
+                bgradb_
+                    ? " (BGRADB)"
+                    : " -- NOTE: cuBLASLt offers no BGRADB algorithm for this dtype: bare_wgrad "
+                      "runs without the bias-gradient epilogue, so the floor omits the bias "
+                      "reduction");
+  }
+
+  // One graph of forward + backward per input set (a graph's pointers are fixed); the replay of
+  // set 0 must reproduce the direct call's four gradients bit for bit.
+  void capture_graphs(std::size_t count, const char* dt, TrainRow& row) {
+    for (std::size_t k = 0; k < count; ++k) {
+      cudaGraph_t g = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
+      step(k);
+      CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+      const cudaError_t st = cudaGraphInstantiate(&exec, g, 0);
+      CUDA_CHECK(cudaGraphDestroy(g));
+      CUDA_CHECK(st);
+      graphs_.push_back(exec);
+      CUDA_CHECK(cudaGraphUpload(exec, stream_));  // the first launch would otherwise pay for it
+    }
+    if (graphs_.empty()) return;
+    step(0);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const std::vector<unsigned char> direct = gradient_bytes();
+    CUDA_CHECK(cudaGraphLaunch(graphs_[0], stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    row.graph_bit_equal = gradient_bytes() == direct;
+    std::printf(
+        "  %-4s train graph: %zu instantiated, replay of set 0 bit-equal to the direct "
+        "call: %s\n",
+        dt, graphs_.size(), row.graph_bit_equal ? "yes" : "no");
+  }
+
+  // Appends the items to `runs` (train, train_graph if captured, bare_dgrad, bare_wgrad).
+  void add_items(std::vector<std::function<void(int)>>& runs) {
+    first_ = runs.size();
+    ids_.clear();
+    ids_.push_back(train_item);
+    runs.push_back([this](int i) { step(static_cast<std::size_t>(i)); });
+    if (!graphs_.empty()) {
+      ids_.push_back(train_graph_item);
+      runs.push_back([this](int i) {
+        CUDA_CHECK(cudaGraphLaunch(graphs_[static_cast<std::size_t>(i) % graphs_.size()], stream_));
+      });
+    }
+    ids_.push_back(bare_dgrad_item);
+    runs.push_back([this](int) { dgrad_.run(w_, g_.as<T>(), ref_g_mixed_.as<T>(), stream_); });
+    ids_.push_back(bare_wgrad_item);
+    runs.push_back(
+        [this](int) { wgrad_->run(mixed_.as<T>(), g_.as<T>(), ref_grad_w_.as<T>(), stream_); });
+  }
+
+  // Takes this object's timings out of measure_together's result and reports them.
+  void collect(const std::vector<Timing>& timed, const char* dt, TrainRow& row) const {
+    for (std::size_t j = 0; j < ids_.size(); ++j) {
+      row.t[ids_[j]] = timed.at(first_ + j);
+      report_train(dt, ids_[j], row.t[ids_[j]]);
+    }
+  }
+
+ private:
+  static std::size_t bytes(std::int64_t elements) {
+    return static_cast<std::size_t>(elements) * sizeof(T);
+  }
+  static qbl::Options training_options(bool tf32) {
+    qbl::Options o;
+    o.backward = true;
+    o.allow_tf32 = tf32;
+    return o;
+  }
+  static cublasComputeType_t compute_type(bool tf32) {
+    return tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  }
+
+  // The timed step: forward into the caller buffers, then the backward from them (input set k).
+  void step(std::size_t k) {
+    const T* x = inputs_.x_of(k);
+    const T* logits = inputs_.logits_of(k);
+    layer_.forward(x, logits, w_, bias_, out_.as<T>(), tokens_, mixed_.as<T>(), stats_.as<float>(),
+                   stream_);
+    layer_.backward(g_.as<T>(), x, logits, w_, mixed_.as<T>(), stats_.as<float>(), tokens_, grads_,
+                    stream_);
+  }
+
+  // The four gradients' bytes, one after another.
+  std::vector<unsigned char> gradient_bytes() const {
+    std::vector<unsigned char> all;
+    for (const DeviceBuffer* b : {&grad_x_, &grad_logits_, &grad_w_, &grad_b_}) {
+      const std::size_t at = all.size();
+      all.resize(at + b->bytes());
+      CUDA_CHECK(cudaMemcpy(all.data() + at, b->as<void>(), b->bytes(), cudaMemcpyDeviceToHost));
+    }
+    return all;
+  }
+
+  // grad_bias[o] = sum_t g[t, o] in fp64, rounded to T (the reference without BGRADB).
+  std::vector<T> host_bias_grad() const {
+    const std::vector<T> g = download(g_.as<T>(), static_cast<std::size_t>(n_));
+    std::vector<double> sum(static_cast<std::size_t>(d_), 0.0);
+    for (std::size_t i = 0; i < g.size(); ++i) sum[i % sum.size()] += to_f32(g[i]);
+    std::vector<T> r(sum.size());
+    for (std::size_t o = 0; o < sum.size(); ++o) r[o] = from_f32<T>(static_cast<float>(sum[o]));
+    return r;
+  }
+
+  // grad_x of set 0 from bare_dgrad's g_mixed: qbl::grad_x_value per element, with the forward's
+  // scale (stats[1]) and alpha = sigmoid(logit) computed on the host.
+  std::vector<T> host_grad_x() const {
+    const std::vector<T> g_mixed = download(ref_g_mixed_.as<T>(), static_cast<std::size_t>(n_));
+    const std::vector<T> logits = download(inputs_.logits_of(0), static_cast<std::size_t>(tokens_));
+    float scale = 0.0f;
+    CUDA_CHECK(cudaMemcpy(&scale, stats_.as<float>() + 1, sizeof scale, cudaMemcpyDeviceToHost));
+    std::vector<T> r(g_mixed.size());
+    const auto d = static_cast<std::size_t>(d_);
+    for (std::size_t t = 0; t < logits.size(); ++t) {
+      const float alpha = qbl::sigmoid<T>(to_f32(logits[t]));
+      const float one_minus_alpha = qbl::one_minus<T>(alpha);
+      for (std::size_t i = t * d; i < (t + 1) * d; ++i) {
+        r[i] = from_f32<T>(qbl::grad_x_value<T>(to_f32(g_mixed[i]), alpha, one_minus_alpha, scale,
+                                                qbl::QuantGrad::zero));
+      }
+    }
+    return r;
+  }
+
+  std::int64_t tokens_, d_, n_;
+  const T* w_;
+  const T* bias_;
+  InputSets<T> inputs_;
+  cudaStream_t stream_;
+  qbl::QuantBlendLinear<T> layer_;
+  DeviceBuffer g_, out_, mixed_, stats_;
+  DeviceBuffer grad_x_, grad_logits_, grad_w_, grad_b_;
+  DeviceBuffer ref_g_mixed_, ref_grad_w_, ref_grad_b_;  // the bare products' outputs
+  BareProduct<T> dgrad_;
+  std::unique_ptr<BareProduct<T>> wgrad_;
+  bool bgradb_ = false;
+  typename qbl::QuantBlendLinear<T>::Gradients grads_;
+  std::vector<cudaGraphExec_t> graphs_;
+  std::size_t first_ = 0;       // index of this object's first item in measure_together's list
+  std::vector<TrainItem> ids_;  // its items, in order
+};
+
+}  // namespace

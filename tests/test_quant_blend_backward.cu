@@ -1,0 +1,471 @@
+// qbl/quant_blend_backward.cuh and the backward's element math (qbl/element_math.cuh): the host
+// functions against the independent reference of tests/reference.hpp (CPU, runs in CI), the
+// reference's own grad_logits bound against mutants of the formula (CPU), and the launchers
+// qbl::quant_blend_backward and qbl::bias_grad against the reference on the GPU.
+#include <qbl/quant_blend_backward.cuh>
+
+#include "reference.hpp"
+#include "test_support.hpp"
+#include "test_support_device.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using qbl_test::bits;
+using qbl_test::DType;
+
+constexpr float inf = std::numeric_limits<float>::infinity();
+const float nan = std::numeric_limits<float>::quiet_NaN();
+
+bool same_bits_or_both_nan(float a, float b) {
+  return bits(a) == bits(b) || (std::isnan(a) && std::isnan(b));
+}
+
+/// Are all bytes of the element still the poison (never written)?
+template <typename T>
+bool unwritten(const T& v) {
+  const auto* p = reinterpret_cast<const unsigned char*>(&v);
+  return std::all_of(p, p + sizeof(T), [](unsigned char b) { return b == qbl_test::poison_byte; });
+}
+
+/// T-valued random floats: normal(0, stddev) rounded to the dtype.
+std::vector<float> rand_t(DType t, std::size_t n, std::uint64_t seed, float stddev = 1.0f) {
+  std::vector<float> v = qbl_test::randn(n, seed, stddev);
+  for (auto& e : v) e = qbl_test::ref_round(t, e);
+  return v;
+}
+
+// ---- host element math against the reference (CPU) ------------------------------------------
+
+template <typename T>
+class BackwardElementMath : public ::testing::Test {};
+using AllTypes = ::testing::Types<float, __nv_bfloat16, __half>;
+struct AllTypeNames {
+  template <typename T>
+  static std::string GetName(int) {
+    return qbl_test::dtype_name(qbl_test::dtype_of<T>());
+  }
+};
+TYPED_TEST_SUITE(BackwardElementMath, AllTypes, AllTypeNames);
+
+TYPED_TEST(BackwardElementMath, HostFunctionsMatchTheReference) {
+  using T = TypeParam;
+  constexpr DType dt = qbl_test::dtype_of<T>();
+  std::mt19937_64 gen(20261203);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> ua(0.0f, 1.0f);
+  auto rt = [](float v) { return qbl_test::ref_round(dt, v); };
+  const float scales[] = {rt(0.0157f), rt(3.0e-3f), 1.0f, 0.0f, inf, nan};
+  int checked = 0;
+  for (int i = 0; i < 20000; ++i) {
+    float g = rt(nd(gen) * (i % 3 == 0 ? 100.0f : 1.0f));
+    if (i % 17 == 0) g = -0.0f;
+    if (i % 19 == 0) g = 0.0f;
+    float alpha = rt(ua(gen));
+    if (i % 23 == 0) alpha = 0.0f;
+    if (i % 29 == 0) alpha = 1.0f;
+    if (i % 31 == 0) alpha = nan;
+    const float scale = scales[i % 6];
+    const float oma = rt(1.0f - alpha);  // one rounding of an exact fp32 difference
+    for (qbl::QuantGrad mode : {qbl::QuantGrad::zero, qbl::QuantGrad::straight_through}) {
+      const bool ste = mode == qbl::QuantGrad::straight_through;
+      const float want = qbl_test::reference_grad_x(dt, g, alpha, scale, ste);
+      const float got = qbl::grad_x_value<T>(g, alpha, oma, scale, mode);
+      ASSERT_TRUE(same_bits_or_both_nan(got, want))
+          << "g " << g << " alpha " << alpha << " scale " << scale << " ste " << ste
+          << ": expected " << want << " (0x" << std::hex << bits(want) << "), actual " << got
+          << " (0x" << bits(got) << ")";
+      ++checked;
+    }
+    const float x = rt(nd(gen) * 4.0f);
+    ASSERT_EQ(bits(qbl::grad_product<T>(g, x)), bits(qbl_test::ref_op(dt, double(g) * x)))
+        << g << " * " << x;
+    const float sq = nd(gen) * 50.0f, sx = nd(gen) * 50.0f;  // fp32 sums
+    const float ga = qbl::grad_alpha_value<T>(sq, sx);
+    ASSERT_EQ(bits(ga), bits(qbl_test::ref_op(dt, double(rt(sq)) - rt(sx)))) << sq << " " << sx;
+    ASSERT_TRUE(same_bits_or_both_nan(qbl::grad_logit_value<T>(ga, alpha),
+                                      qbl_test::reference_sigmoid_backward(dt, ga, alpha)))
+        << "ga " << ga << " alpha " << alpha;
+  }
+  EXPECT_EQ(checked, 40000);
+}
+
+TYPED_TEST(BackwardElementMath, ZeroModeTurnsMinusZeroIntoPlusZeroAndFollowsTheScale) {
+  using T = TypeParam;
+  const float oma = 0.75f, alpha = 0.25f;
+  // +0 from 0 / scale for a positive finite or infinite scale: -0 * 0.75 + 0 = +0.
+  EXPECT_EQ(bits(qbl::grad_x_value<T>(-0.0f, alpha, oma, 0.5f)), 0u);
+  EXPECT_EQ(bits(qbl::grad_x_value<T>(-0.0f, alpha, oma, inf)), 0u);
+  EXPECT_EQ(bits(qbl::detail::zero_quant_grad(0.5f)), 0u);
+  EXPECT_EQ(bits(qbl::detail::zero_quant_grad(inf)), 0u);
+  // Straight-through keeps the sign: -0 * 0.25 + -0 * 0.75 = -0.
+  EXPECT_EQ(bits(qbl::grad_x_value<T>(-0.0f, alpha, oma, 0.5f, qbl::QuantGrad::straight_through)),
+            0x80000000u);
+  // NaN scale (NaN in x) and zero scale (fp16's all-zero x): 0 / scale is NaN, so is grad_x --
+  // but not under straight-through, which has no division.
+  EXPECT_TRUE(std::isnan(qbl::grad_x_value<T>(1.0f, alpha, oma, nan)));
+  EXPECT_TRUE(std::isnan(qbl::grad_x_value<T>(1.0f, alpha, oma, 0.0f)));
+  EXPECT_EQ(qbl::grad_x_value<T>(2.0f, alpha, oma, nan, qbl::QuantGrad::straight_through), 2.0f);
+  // The finite case: exactly the direct product.
+  EXPECT_EQ(qbl::grad_x_value<T>(2.0f, alpha, oma, 0.5f), 1.5f);
+}
+
+// ---- the reference's grad_logits bound is not vacuous (CPU) -------------------------------------
+
+// The interval of reference_grad_logit must hold what any summation order gives (checked here with
+// fp32 sums left to right, right to left and pairwise, through the library's host functions), and
+// must reject the formula's likely mistakes: sum_x dropped, alpha in place of 1 - alpha, the
+// 1 - alpha of sigmoid_backward rounded to the dtype (16-bit only: a one-rounding difference).
+TYPED_TEST(BackwardElementMath, GradLogitBoundHoldsEveryOrderAndRejectsMutants) {
+  using T = TypeParam;
+  constexpr DType dt = qbl_test::dtype_of<T>();
+  int rejected_drop = 0, rejected_alpha = 0, tokens = 0;
+  for (std::int64_t n : {1, 7, 65, 512, 2048}) {
+    for (int rep = 0; rep < 20; ++rep, ++tokens) {
+      const std::uint64_t seed =
+          1000 * static_cast<std::uint64_t>(n) + static_cast<std::uint64_t>(rep);
+      const auto g = rand_t(dt, static_cast<std::size_t>(n), seed, 0.3f);
+      const auto x = rand_t(dt, static_cast<std::size_t>(n), seed + 1, 2.0f);
+      std::mt19937 gen(static_cast<unsigned>(seed));
+      const float alpha =
+          qbl_test::ref_round(dt, std::uniform_real_distribution<float>(0.02f, 0.98f)(gen));
+      const float scale = qbl_test::reference_scale(dt, 6.0f);
+      const auto r = qbl_test::reference_grad_logit(dt, g.data(), x.data(), n, alpha, scale);
+      ASSERT_FALSE(r.nan || r.overflow);
+      ASSERT_LE(r.lo, r.hi);
+      std::vector<float> pq(static_cast<std::size_t>(n)), px(pq.size());
+      for (std::int64_t i = 0; i < n; ++i) {
+        pq[i] = qbl::grad_product<T>(g[i], qbl::fake_quant<T>(x[i], scale));
+        px[i] = qbl::grad_product<T>(g[i], x[i]);
+      }
+      auto forward_sum = [](const std::vector<float>& v) {
+        float s = 0.0f;
+        for (float e : v) s += e;
+        return s;
+      };
+      auto backward_sum = [](const std::vector<float>& v) {
+        float s = 0.0f;
+        for (auto it = v.rbegin(); it != v.rend(); ++it) s += *it;
+        return s;
+      };
+      auto pairwise_sum = [](std::vector<float> v) {
+        while (v.size() > 1) {
+          std::vector<float> h((v.size() + 1) / 2);
+          for (std::size_t i = 0; i < h.size(); ++i)
+            h[i] = 2 * i + 1 < v.size() ? v[2 * i] + v[2 * i + 1] : v[2 * i];
+          v.swap(h);
+        }
+        return v.empty() ? 0.0f : v[0];
+      };
+      for (int order = 0; order < 3; ++order) {
+        const float sq =
+            order == 0 ? forward_sum(pq) : (order == 1 ? backward_sum(pq) : pairwise_sum(pq));
+        const float sx =
+            order == 0 ? forward_sum(px) : (order == 1 ? backward_sum(px) : pairwise_sum(px));
+        const float got = qbl::grad_logit_value<T>(qbl::grad_alpha_value<T>(sq, sx), alpha);
+        EXPECT_TRUE(r.lo <= got && got <= r.hi)
+            << "n " << n << " order " << order << ": " << got << " outside [" << r.lo << ", "
+            << r.hi << "], float64 " << r.exact;
+      }
+      // Mutants, each from the same sums (left to right).
+      const float sq = forward_sum(pq), sx = forward_sum(px);
+      const float no_x = qbl::grad_logit_value<T>(qbl::grad_alpha_value<T>(sq, 0.0f), alpha);
+      const float ga = qbl::grad_alpha_value<T>(sq, sx);
+      const float alpha_sq = qbl::detail::round_to<T>(ga * alpha * alpha);
+      rejected_drop += no_x < r.lo || no_x > r.hi;
+      rejected_alpha += alpha_sq < r.lo || alpha_sq > r.hi;
+    }
+  }
+  // Random data: sum_x is rarely near zero, alpha rarely near 1/2 (then alpha * alpha and
+  // (1 - alpha) * alpha coincide).
+  EXPECT_GE(rejected_drop, tokens * 9 / 10) << "of " << tokens;
+  EXPECT_GE(rejected_alpha, tokens * 8 / 10) << "of " << tokens;
+}
+
+// ---- launcher arguments (CPU: nothing reaches CUDA) ---------------------------------------------
+
+TEST(QuantBlendBackwardArgs, RejectsBadArgumentsWithoutLaunching) {
+  float d = 0;
+  const float* c = &d;
+  using qbl::QuantGrad;
+  EXPECT_EQ(qbl::quant_blend_backward<float>(c, c, c, c, &d, &d, -1, 4), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::quant_blend_backward<float>(c, c, c, c, &d, &d, 4, 0), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::quant_blend_backward<float>(nullptr, c, c, c, &d, &d, 4, 4),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::quant_blend_backward<float>(c, c, nullptr, c, &d, &d, 4, 4),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::quant_blend_backward<float>(c, c, c, nullptr, &d, &d, 4, 4),
+            cudaErrorInvalidValue);
+  // x is needed for grad_logits only.
+  EXPECT_EQ(qbl::quant_blend_backward<float>(c, nullptr, c, c, nullptr, &d, 4, 4),
+            cudaErrorInvalidValue);
+  // No-ops: tokens == 0, or neither output wanted; null inputs allowed then.
+  EXPECT_EQ(qbl::quant_blend_backward<float>(nullptr, nullptr, nullptr, nullptr, &d, &d, 0, 4),
+            cudaSuccess);
+  EXPECT_EQ(
+      qbl::quant_blend_backward<float>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 4, 4),
+      cudaSuccess);
+  EXPECT_EQ(qbl::bias_grad<float>(c, &d, -1, 4), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::bias_grad<float>(c, &d, 4, 0), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::bias_grad<float>(nullptr, &d, 4, 4), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::bias_grad<float>(c, nullptr, 4, 4), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::bias_grad<float>(nullptr, nullptr, 0, 4), cudaSuccess);
+}
+
+// ---- qbl::quant_blend_backward on the GPU ------------------------------------------------------
+
+enum class ScaleKind { from_x, nan_scale, zero_scale, inf_scale };
+
+const char* scale_name(ScaleKind s) {
+  switch (s) {
+    case ScaleKind::from_x:
+      return "scale";
+    case ScaleKind::nan_scale:
+      return "nanscale";
+    case ScaleKind::zero_scale:
+      return "zeroscale";
+    case ScaleKind::inf_scale:
+      return "infscale";
+  }
+  return "?";
+}
+
+struct LaunchCase {
+  DType dtype;
+  std::int64_t tokens, features;
+  std::size_t offset;  ///< element offset of g_mixed, x and grad_x (1: the scalar kernel)
+  bool ste;
+  ScaleKind scale = ScaleKind::from_x;
+};
+
+void PrintTo(const LaunchCase& c, std::ostream* os) {
+  *os << qbl_test::dtype_name(c.dtype) << " tokens=" << c.tokens << " features=" << c.features
+      << " offset=" << c.offset << (c.ste ? " ste" : " zero") << " " << scale_name(c.scale);
+}
+
+/// Which outputs a run asks for, and whether grad_x is formed in g_mixed's own buffer.
+enum class Outputs { both, in_place, x_only, logits_only };
+
+template <typename T>
+void run_launcher_case(const LaunchCase& c, std::uint64_t seed) {
+  constexpr DType dt = qbl_test::dtype_of<T>();
+  const std::int64_t tokens = c.tokens, f = c.features;
+  const auto n = static_cast<std::size_t>(tokens * f);
+  const std::size_t off = c.offset;
+  std::vector<float> g = rand_t(dt, n, seed, 0.5f);
+  for (std::size_t i = 0; i < n; i += 7) g[i] = -0.0f;  // -0 -> +0 in zero mode
+  for (std::size_t i = 3; i < n; i += 11) g[i] = 0.0f;
+  const std::vector<float> x = rand_t(dt, n, seed + 1, 1.5f);
+  const std::vector<float> logits = rand_t(dt, static_cast<std::size_t>(tokens), seed + 2, 2.0f);
+  float scale = qbl_test::reference_scale(dt, qbl_test::reference_amax(x));
+  if (c.scale == ScaleKind::nan_scale) scale = nan;
+  if (c.scale == ScaleKind::zero_scale) scale = 0.0f;
+  if (c.scale == ScaleKind::inf_scale) scale = inf;
+
+  qbl_test::DeviceArray<T> dg(n + off), dx(n + off), dl(static_cast<std::size_t>(tokens)),
+      dgx(n + off), dgl(static_cast<std::size_t>(tokens) + off);
+  qbl_test::DeviceArray<float> dscale(1), dalpha(static_cast<std::size_t>(tokens));
+  ASSERT_TRUE(dg.ok() && dx.ok() && dl.ok() && dgx.ok() && dgl.ok());
+  QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(off), qbl_test::convert<T>(x)));
+  QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(), qbl_test::convert<T>(logits)));
+  QBL_ASSERT_CUDA(cudaMemcpy(dscale.get(), &scale, sizeof scale, cudaMemcpyHostToDevice));
+  qbl_test::device_sigmoid_t<T>
+      <<<static_cast<unsigned>((tokens + 255) / 256), 256>>>(dl.get(), dalpha.get(), tokens);
+  QBL_ASSERT_CUDA(cudaGetLastError());
+  std::vector<float> alpha(static_cast<std::size_t>(tokens));
+  QBL_ASSERT_CUDA(qbl_test::to_host(alpha, dalpha.get()));
+
+  // The reference, from the same T-valued operands.
+  std::vector<float> want_x(n);
+  std::vector<qbl_test::GradLogitRef> want_l(static_cast<std::size_t>(tokens));
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    for (std::int64_t i = 0; i < f; ++i)
+      want_x[t * f + i] = qbl_test::reference_grad_x(dt, g[t * f + i], alpha[t], scale, c.ste);
+    want_l[t] = qbl_test::reference_grad_logit(dt, &g[t * f], &x[t * f], f, alpha[t], scale);
+  }
+  const qbl::QuantGrad mode = c.ste ? qbl::QuantGrad::straight_through : qbl::QuantGrad::zero;
+
+  for (Outputs outs : {Outputs::both, Outputs::in_place, Outputs::x_only, Outputs::logits_only}) {
+    SCOPED_TRACE("outputs " + std::to_string(static_cast<int>(outs)));
+    QBL_ASSERT_CUDA(qbl_test::to_device(dg.get(off), qbl_test::convert<T>(g)));
+    QBL_ASSERT_CUDA(cudaMemset(dgx.get(), qbl_test::poison_byte, (n + off) * sizeof(T)));
+    QBL_ASSERT_CUDA(cudaMemset(dgl.get(), qbl_test::poison_byte, (tokens + off) * sizeof(T)));
+    if (outs == Outputs::in_place)  // the element before g_mixed is poisoned too
+      QBL_ASSERT_CUDA(cudaMemset(dg.get(), qbl_test::poison_byte, off * sizeof(T)));
+    T* gx = outs == Outputs::logits_only ? nullptr
+                                         : (outs == Outputs::in_place ? dg.get(off) : dgx.get(off));
+    T* gl = outs == Outputs::x_only ? nullptr : dgl.get(off);
+    QBL_ASSERT_CUDA(qbl::quant_blend_backward<T>(dg.get(off), dx.get(off), dl.get(), dscale.get(),
+                                                 gx, gl, tokens, f, mode));
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<T> raw_x(n + off), raw_l(static_cast<std::size_t>(tokens) + off);
+    QBL_ASSERT_CUDA(qbl_test::to_host(raw_x, outs == Outputs::in_place ? dg.get() : dgx.get()));
+    QBL_ASSERT_CUDA(qbl_test::to_host(raw_l, dgl.get()));
+    for (std::size_t i = 0; i < off; ++i) {
+      EXPECT_TRUE(unwritten(raw_x[i])) << "grad_x: wrote before the output";
+      EXPECT_TRUE(unwritten(raw_l[i])) << "grad_logits: wrote before the output";
+    }
+    if (gx == nullptr) {
+      for (std::size_t i = 0; i < raw_x.size(); ++i)
+        ASSERT_TRUE(unwritten(raw_x[i])) << "grad_x not wanted, written at " << i;
+    } else {
+      std::vector<float> got(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_FALSE(unwritten(raw_x[off + i])) << "grad_x unwritten at " << i;
+        got[i] = qbl_test::to_f(raw_x[off + i]);
+      }
+      EXPECT_TRUE(qbl_test::bits_equal(got, want_x, static_cast<std::size_t>(f)));
+    }
+    if (gl == nullptr) {
+      for (std::size_t i = 0; i < raw_l.size(); ++i)
+        ASSERT_TRUE(unwritten(raw_l[i])) << "grad_logits not wanted, written at " << i;
+    } else {
+      int bad = 0;
+      for (std::int64_t t = 0; t < tokens; ++t) {
+        ASSERT_FALSE(unwritten(raw_l[off + t])) << "grad_logits unwritten at " << t;
+        const float got = qbl_test::to_f(raw_l[off + t]);
+        const auto& w = want_l[t];
+        const bool ok = w.nan ? std::isnan(got)
+                              : (w.overflow ? !std::isfinite(got) : (w.lo <= got && got <= w.hi));
+        if (!ok && bad++ < 8)
+          ADD_FAILURE() << "grad_logits[" << t << "]: actual " << got << ", expected "
+                        << (w.nan ? "NaN"
+                                  : "[" + std::to_string(w.lo) + ", " + std::to_string(w.hi) + "]")
+                        << " (float64 " << w.exact << ")";
+      }
+      EXPECT_EQ(bad, 0);
+    }
+  }
+}
+
+class QuantBlendBackwardDevice : public ::testing::TestWithParam<LaunchCase> {};
+
+TEST_P(QuantBlendBackwardDevice, MatchesTheReference) {
+  QBL_REQUIRE_GPU();
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  switch (GetParam().dtype) {
+    case DType::fp32:
+    case DType::tf32:
+      run_launcher_case<float>(GetParam(), seed);
+      break;
+    case DType::bf16:
+      run_launcher_case<__nv_bfloat16>(GetParam(), seed);
+      break;
+    case DType::fp16:
+      run_launcher_case<__half>(GetParam(), seed);
+      break;
+  }
+}
+
+std::vector<LaunchCase> launch_cases() {
+  std::vector<LaunchCase> v;
+  const std::pair<std::int64_t, std::int64_t> shapes[] = {
+      {1, 1}, {3, 7}, {7, 65}, {65, 217}, {217, 64}, {9, 2048}, {2049, 33}, {100, 512}};
+  for (DType t : {DType::fp32, DType::bf16, DType::fp16})
+    for (auto [tokens, f] : shapes)
+      for (std::size_t off : {0, 1})
+        for (bool ste : {false, true}) v.push_back({t, tokens, f, off, ste});
+  for (DType t : {DType::fp32, DType::bf16, DType::fp16})
+    for (ScaleKind s : {ScaleKind::nan_scale, ScaleKind::zero_scale, ScaleKind::inf_scale})
+      for (bool ste : {false, true}) v.push_back({t, 37, 96, 0, ste, s});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, QuantBlendBackwardDevice, ::testing::ValuesIn(launch_cases()),
+                         [](const ::testing::TestParamInfo<LaunchCase>& i) {
+                           const LaunchCase& c = i.param;
+                           return std::string(qbl_test::dtype_name(c.dtype)) + "_t" +
+                                  std::to_string(c.tokens) + "_f" + std::to_string(c.features) +
+                                  "_off" + std::to_string(c.offset) + (c.ste ? "_ste" : "_zero") +
+                                  "_" + scale_name(c.scale);
+                         });
+
+// ---- qbl::bias_grad on the GPU
+// -------------------------------------------------------------------
+
+// grad_bias[o] = RN(fp32 sum over tokens) (+ old, rounded again, when accumulating). Element-wise
+// bound against the float64 sum S: any fp32 order errs by at most (tokens - 1) 2^-24 sum |g|, and
+// the rounding to the dtype by u |S| (u = 2^-24, 2^-8, 2^-11); accumulating adds one more
+// rounding, u |old + S|. A margin of 2^-20 relative covers the float64 sum's own error.
+template <typename T>
+void run_bias_grad_case(std::int64_t tokens, std::int64_t outs, std::size_t off,
+                        std::uint64_t seed) {
+  constexpr DType dt = qbl_test::dtype_of<T>();
+  const auto n = static_cast<std::size_t>(tokens * outs);
+  const std::vector<float> g = rand_t(dt, n, seed, 2.0f);
+  const std::vector<float> old = rand_t(dt, static_cast<std::size_t>(outs), seed + 1, 3.0f);
+  std::vector<double> abs_sum;
+  const std::vector<double> sum = qbl_test::bias_grad_reference(g, tokens, outs, &abs_sum);
+  qbl_test::DeviceArray<T> dg(n + off), db(static_cast<std::size_t>(outs) + off);
+  QBL_ASSERT_CUDA(qbl_test::to_device(dg.get(off), qbl_test::convert<T>(g)));
+  const double u = qbl_test::unit_roundoff(dt);
+  for (bool accumulate : {false, true}) {
+    SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
+    QBL_ASSERT_CUDA(cudaMemset(db.get(), qbl_test::poison_byte, (outs + off) * sizeof(T)));
+    if (accumulate) QBL_ASSERT_CUDA(qbl_test::to_device(db.get(off), qbl_test::convert<T>(old)));
+    QBL_ASSERT_CUDA(qbl::bias_grad<T>(dg.get(off), db.get(off), tokens, outs, accumulate));
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<T> raw(static_cast<std::size_t>(outs) + off);
+    QBL_ASSERT_CUDA(qbl_test::to_host(raw, db.get()));
+    for (std::size_t i = 0; i < off; ++i)
+      EXPECT_TRUE(unwritten(raw[i])) << "wrote before the output";
+    int bad = 0;
+    for (std::int64_t o = 0; o < outs; ++o) {
+      ASSERT_FALSE(unwritten(raw[off + o])) << "unwritten at " << o;
+      const double got = qbl_test::to_f(raw[off + o]);
+      const double want = sum[o] + (accumulate ? old[o] : 0.0);
+      const double bound = static_cast<double>(tokens - 1) * 0x1p-24 * abs_sum[o] +
+                           u * std::fabs(sum[o]) + (accumulate ? u * std::fabs(want) : 0.0) +
+                           0x1p-20 * abs_sum[o];
+      if (std::fabs(got - want) > bound && bad++ < 8)
+        ADD_FAILURE() << "grad_bias[" << o << "]: expected " << want << " +- " << bound
+                      << ", actual " << got;
+    }
+    EXPECT_EQ(bad, 0);
+  }
+}
+
+class BiasGradDevice : public ::testing::TestWithParam<DType> {};
+
+TEST_P(BiasGradDevice, SumsOverTokensWithinTheFp32Bound) {
+  QBL_REQUIRE_GPU();
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::pair<std::int64_t, std::int64_t> shapes[] = {{1, 1},    {3, 7},     {7, 65},
+                                                          {65, 217}, {2049, 40}, {217, 1000}};
+  for (auto [tokens, outs] : shapes) {
+    for (std::size_t off : {0, 1}) {
+      SCOPED_TRACE("tokens " + std::to_string(tokens) + " outs " + std::to_string(outs) +
+                   " offset " + std::to_string(off));
+      switch (GetParam()) {
+        case DType::fp32:
+        case DType::tf32:
+          run_bias_grad_case<float>(tokens, outs, off, seed);
+          break;
+        case DType::bf16:
+          run_bias_grad_case<__nv_bfloat16>(tokens, outs, off, seed);
+          break;
+        case DType::fp16:
+          run_bias_grad_case<__half>(tokens, outs, off, seed);
+          break;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, BiasGradDevice,
+                         ::testing::Values(DType::fp32, DType::bf16, DType::fp16),
+                         [](const ::testing::TestParamInfo<DType>& i) {
+                           return qbl_test::dtype_name(i.param);
+                         });
+
+}  // namespace

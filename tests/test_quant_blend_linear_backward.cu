@@ -1,0 +1,1253 @@
+// qbl::QuantBlendLinear<T>::backward against the independent reference of tests/reference.hpp:
+// identity weights (g_mixed == grad_out, so grad_x is checked bit for bit end to end), general
+// shapes in fp32, TF32, bf16 and fp16 with pointer offsets, requested subsets and accumulation,
+// non-finite inputs, bad input, CUDA graphs, and a randomized property test.
+//
+// How grad_x and grad_logits are checked for a general weight: g_mixed = RN(grad_out · W) is a
+// GEMM whose bits no CPU reference reproduces, so the test first reads the layer's own g_mixed
+// with a probe backward (logits all -Inf, so alpha = 0, 1 - alpha = 1, and a scale of 1: grad_x =
+// RN(RN(g * 1) + 0 / 1) = g, -0 read as +0), checks it against a float64 product, then computes
+// grad_x (bit for bit) and grad_logits (an interval valid for every summation order) from it. The
+// probe runs the same dgrad plan on pointers of the same alignment class, so it gets the same
+// algorithm and the same bits (cuBLASLt's default choice is deterministic; so is the fallback).
+//
+// QBL_BACKWARD_PROPERTY_CASES (default: QBL_PROPERTY_CASES, else 1000) and QBL_PROPERTY_SEED
+// (default: fresh) control the random run; a failure prints the seed and the case, and the seed
+// replays it.
+#include <qbl/quant_blend_linear.cuh>
+
+#include "reference.hpp"
+#include "test_support.hpp"
+#include "test_support_device.cuh"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using qbl_test::bits;
+using qbl_test::DType;
+
+constexpr float inf = std::numeric_limits<float>::infinity();
+const float nan = std::numeric_limits<float>::quiet_NaN();
+
+enum Want : unsigned { want_x = 1, want_logits = 2, want_weight = 4, want_bias = 8, want_all = 15 };
+
+/// One backward problem: sizes, dtype, layout and what is asked for.
+struct BwdCase {
+  DType dtype = DType::fp32;
+  std::int64_t tokens = 1, in = 1, out = 1, max_tokens = 1;
+  std::size_t in_off =
+      0;  ///< elements before every input buffer (x, logits, weight, bias, grad_out, mixed)
+  std::size_t out_off = 0;  ///< elements before every gradient output
+  bool bias = true, ste = false, accumulate = false, identity = false;
+  unsigned want = want_all;
+  float x_std = 1.0f;
+  std::uint64_t seed = 0;
+
+  std::string describe() const {
+    std::string w;
+    for (auto [bit, name] : {std::pair<unsigned, const char*>{want_x, "x"},
+                             {want_logits, "logits"},
+                             {want_weight, "weight"},
+                             {want_bias, "bias"}})
+      if (want & bit) w += std::string(w.empty() ? "" : ",") + name;
+    return std::string(qbl_test::dtype_name(dtype)) + " tokens " + std::to_string(tokens) + " in " +
+           std::to_string(in) + " out " + std::to_string(out) + " max_tokens " +
+           std::to_string(max_tokens) + " in_off " + std::to_string(in_off) + " out_off " +
+           std::to_string(out_off) + (bias ? " bias" : " no-bias") + (ste ? " ste" : " zero") +
+           (accumulate ? " accumulate" : "") + (identity ? " identity-W" : "") + " grads {" + w +
+           "} x_std " + std::to_string(x_std) + " seed " + std::to_string(seed);
+  }
+};
+
+/// A case's inputs, every value representable in the dtype.
+struct BwdData {
+  std::vector<float> x, logits, w, b, grad_out, old_w, old_b;
+};
+
+BwdData make_data(const BwdCase& c) {
+  std::mt19937_64 gen(c.seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto rt = [&](float v) { return qbl_test::ref_round(c.dtype, v); };
+  auto fill = [&](std::vector<float>& v, std::int64_t n, float sd) {
+    v.resize(static_cast<std::size_t>(n));
+    for (auto& e : v) e = rt(sd * nd(gen));
+  };
+  BwdData d;
+  fill(d.x, c.tokens * c.in, c.x_std);
+  fill(d.logits, c.tokens, 2.0f);
+  fill(d.w, c.out * c.in, 1.0f / std::sqrt(static_cast<float>(c.in)));
+  if (c.identity) {
+    for (std::int64_t o = 0; o < c.out; ++o)
+      for (std::int64_t i = 0; i < c.in; ++i) d.w[o * c.in + i] = o == i ? 1.0f : 0.0f;
+  }
+  fill(d.b, c.out, 1.0f);
+  fill(d.grad_out, c.tokens * c.out, 1.0f);
+  // Signed zeros in grad_out: the zero mode must give +0 for them.
+  for (std::size_t i = 0; i < d.grad_out.size(); i += 13) d.grad_out[i] = -0.0f;
+  for (std::size_t i = 5; i < d.grad_out.size(); i += 17) d.grad_out[i] = 0.0f;
+  fill(d.old_w, c.out * c.in, 0.5f);
+  fill(d.old_b, c.out, 2.0f);
+  return d;
+}
+
+/// What one forward + probe + backward produced, widened to float.
+struct BwdResult {
+  std::vector<float> alpha, mixed, g_mixed, gx, gl, gw, gb;
+  float amax = 0, scale = 0;
+  bool forward_cublaslt = true;  ///< the forward's GEMM ran on cuBLASLt
+};
+
+template <typename T>
+bool all_poison(const T* p, std::size_t n) {
+  const auto* b = reinterpret_cast<const unsigned char*>(p);
+  return std::all_of(b, b + n * sizeof(T),
+                     [](unsigned char v) { return v == qbl_test::poison_byte; });
+}
+
+/// Reads back [0, off + n) of a gradient output: the `off` elements before it must still be the
+/// poison, an unwanted output must be all poison, and every element of a wanted one written.
+template <typename T>
+std::vector<float> read_output(const qbl_test::DeviceArray<T>& d, std::size_t off, std::size_t n,
+                               bool wanted, const char* name) {
+  std::vector<T> raw(off + n);
+  EXPECT_EQ(qbl_test::to_host(raw, d.get()), cudaSuccess);
+  EXPECT_TRUE(all_poison(raw.data(), off)) << name << ": wrote before the output";
+  if (!wanted) {
+    for (std::size_t i = 0; i < n; ++i)
+      if (!all_poison(&raw[off + i], 1)) {
+        ADD_FAILURE() << name << " not requested, but written at " << i;
+        break;
+      }
+    return {};
+  }
+  std::vector<float> r(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (all_poison(&raw[off + i], 1)) {
+      ADD_FAILURE() << name << " unwritten at " << i;
+      break;
+    }
+    r[i] = qbl_test::to_f(raw[off + i]);
+  }
+  return r;
+}
+
+/// Device buffers of one problem. Inputs at in_off, gradient outputs at out_off.
+template <typename T>
+struct BwdBuffers {
+  const BwdCase& c;
+  std::size_t nx, nw, ng;
+  qbl_test::DeviceArray<T> x, l, w, b, go, out, mixed, gx, gl, gw, gb, l_probe, probe;
+  qbl_test::DeviceArray<float> stats, stats_probe, alpha;
+
+  explicit BwdBuffers(const BwdCase& k)
+      : c(k),
+        nx(static_cast<std::size_t>(k.tokens * k.in)),
+        nw(static_cast<std::size_t>(k.out * k.in)),
+        ng(static_cast<std::size_t>(k.tokens * k.out)),
+        x(nx + k.in_off),
+        l(k.tokens + k.in_off),
+        w(nw + k.in_off),
+        b(k.out + k.in_off),
+        go(ng + k.in_off),
+        out(ng + k.in_off),
+        mixed(nx + k.in_off),
+        gx(nx + k.out_off),
+        gl(k.tokens + k.out_off),
+        gw(nw + k.out_off),
+        gb(k.out + k.out_off),
+        l_probe(k.tokens),
+        probe(nx),
+        stats(2),
+        stats_probe(2),
+        alpha(k.tokens) {}
+
+  bool ok() const {
+    return x.ok() && l.ok() && w.ok() && b.ok() && go.ok() && out.ok() && mixed.ok() && gx.ok() &&
+           gl.ok() && gw.ok() && gb.ok() && l_probe.ok() && probe.ok() && stats.ok();
+  }
+  cudaError_t upload(const BwdData& d) {
+    const std::size_t o = c.in_off;
+    cudaError_t e = qbl_test::to_device(x.get(o), qbl_test::convert<T>(d.x));
+    if (e == cudaSuccess) e = qbl_test::to_device(l.get(o), qbl_test::convert<T>(d.logits));
+    if (e == cudaSuccess) e = qbl_test::to_device(w.get(o), qbl_test::convert<T>(d.w));
+    if (e == cudaSuccess) e = qbl_test::to_device(b.get(o), qbl_test::convert<T>(d.b));
+    if (e == cudaSuccess) e = qbl_test::to_device(go.get(o), qbl_test::convert<T>(d.grad_out));
+    if (e == cudaSuccess)
+      e = qbl_test::to_device(l_probe.get(), std::vector<T>(c.tokens, qbl_test::from_f<T>(-inf)));
+    const float probe_stats[2] = {1.0f, 1.0f};
+    if (e == cudaSuccess)
+      e = cudaMemcpy(stats_probe.get(), probe_stats, sizeof probe_stats, cudaMemcpyHostToDevice);
+    return e;
+  }
+  /// Poisons every gradient output; accumulating, a wanted weight and bias get old values.
+  cudaError_t poison(const BwdData& d) {
+    cudaError_t e = cudaSuccess;
+    for (auto* a : {&gx, &gl, &gw, &gb})
+      if (e == cudaSuccess)
+        e = cudaMemset(a->get(), qbl_test::poison_byte, (a->size() + 16 / sizeof(T)) * sizeof(T));
+    if (c.accumulate && (c.want & want_weight) && e == cudaSuccess)
+      e = qbl_test::to_device(gw.get(c.out_off), qbl_test::convert<T>(d.old_w));
+    if (c.accumulate && (c.want & want_bias) && e == cudaSuccess)
+      e = qbl_test::to_device(gb.get(c.out_off), qbl_test::convert<T>(d.old_b));
+    return e;
+  }
+  typename qbl::QuantBlendLinear<T>::Gradients grads() const {
+    typename qbl::QuantBlendLinear<T>::Gradients g;
+    if (c.want & want_x) g.x = gx.get(c.out_off);
+    if (c.want & want_logits) g.logits = gl.get(c.out_off);
+    if (c.want & want_weight) g.weight = gw.get(c.out_off);
+    if (c.want & want_bias) g.bias = gb.get(c.out_off);
+    g.accumulate = c.accumulate;
+    g.quant_grad = c.ste ? qbl::QuantGrad::straight_through : qbl::QuantGrad::zero;
+    return g;
+  }
+  void forward(qbl::QuantBlendLinear<T>& layer, cudaStream_t s = nullptr) {
+    const std::size_t o = c.in_off;
+    layer.forward(x.get(o), l.get(o), w.get(o), c.bias ? b.get(o) : nullptr, out.get(o), c.tokens,
+                  mixed.get(o), stats.get(), s);
+  }
+  void backward(qbl::QuantBlendLinear<T>& layer, cudaStream_t s = nullptr) {
+    const std::size_t o = c.in_off;
+    layer.backward(go.get(o), x.get(o), l.get(o), w.get(o), mixed.get(o), stats.get(), c.tokens,
+                   grads(), s);
+  }
+  /// The layer's g_mixed for this case's pointers (see the top of the file).
+  T* probe_target() { return (c.want & want_x) ? gx.get(c.out_off) : probe.get(); }
+  void run_probe(qbl::QuantBlendLinear<T>& layer) {
+    typename qbl::QuantBlendLinear<T>::Gradients g;
+    g.x = probe_target();
+    const std::size_t o = c.in_off;
+    layer.backward(go.get(o), x.get(o), l_probe.get(), w.get(o), mixed.get(o), stats_probe.get(),
+                   c.tokens, g);
+  }
+};
+
+/// forward (caller mixed/stats) -> probe -> backward on fresh buffers; reads everything back.
+template <typename T>
+BwdResult run_backward(const BwdCase& c, const BwdData& d) {
+  BwdResult r;
+  BwdBuffers<T> buf(c);
+  EXPECT_TRUE(buf.ok());
+  EXPECT_EQ(buf.upload(d), cudaSuccess);
+  EXPECT_EQ(buf.poison(d), cudaSuccess);
+  qbl::Options o;
+  o.backward = true;
+  o.allow_tf32 = c.dtype == DType::tf32;
+  qbl::QuantBlendLinear<T> layer(c.in, c.out, c.max_tokens, o);
+  buf.forward(layer);
+  const bool dgrad = (c.want & (want_x | want_logits)) != 0;
+  if (dgrad) {
+    buf.run_probe(layer);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<T> g(buf.nx);
+    EXPECT_EQ(qbl_test::to_host(g, buf.probe_target()), cudaSuccess);
+    r.g_mixed = qbl_test::widen(g);
+    EXPECT_EQ(buf.poison(d), cudaSuccess);
+  }
+  buf.backward(layer);
+  qbl_test::device_sigmoid_t<T><<<static_cast<unsigned>((c.tokens + 255) / 256), 256>>>(
+      buf.l.get(c.in_off), buf.alpha.get(), c.tokens);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  r.alpha.resize(static_cast<std::size_t>(c.tokens));
+  EXPECT_EQ(qbl_test::to_host(r.alpha, buf.alpha.get()), cudaSuccess);
+  std::vector<T> m(buf.nx);
+  EXPECT_EQ(qbl_test::to_host(m, buf.mixed.get(c.in_off)), cudaSuccess);
+  r.mixed = qbl_test::widen(m);
+  float stats[2] = {};
+  EXPECT_EQ(cudaMemcpy(stats, buf.stats.get(), sizeof stats, cudaMemcpyDeviceToHost), cudaSuccess);
+  r.amax = stats[0];
+  r.scale = stats[1];
+  const std::size_t oo = c.out_off;
+  r.gx = read_output(buf.gx, oo, buf.nx, c.want & want_x, "grad_x");
+  r.gl = read_output(buf.gl, oo, static_cast<std::size_t>(c.tokens), c.want & want_logits,
+                     "grad_logits");
+  r.gw = read_output(buf.gw, oo, buf.nw, c.want & want_weight, "grad_weight");
+  r.gb = read_output(buf.gb, oo, static_cast<std::size_t>(c.out), c.want & want_bias, "grad_bias");
+  r.forward_cublaslt =
+      layer.uses_cublaslt(buf.w.get(c.in_off), nullptr, buf.out.get(c.in_off), c.tokens);
+  return r;
+}
+
+BwdResult run_backward(const BwdCase& c, const BwdData& d) {
+  switch (c.dtype) {
+    case DType::fp32:
+    case DType::tf32:
+      return run_backward<float>(c, d);
+    case DType::bf16:
+      return run_backward<__nv_bfloat16>(c, d);
+    case DType::fp16:
+      return run_backward<__half>(c, d);
+  }
+  return {};
+}
+
+/// A GEMM-derived output against its float64 value: NaN exactly where the float64 value is NaN,
+/// and otherwise a relative (Frobenius) error no worse than fp32: 1.5x the exact value rounded to
+/// fp32 + 2e-5 (fp32 accumulation over up to ~2000 terms); bf16/fp16: 2.5x one rounding of the
+/// exact value to the dtype (the forward tests' bound: cuBLASLt's bf16 algorithms measured up to
+/// 1.65x) and at least 2 u (u = 2^-8, 2^-11); TF32: 4e-3 (10 fraction bits per operand).
+::testing::AssertionResult gemm_close(DType t, const std::vector<float>& got,
+                                      const std::vector<double>& want, const char* what) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << what << ": size mismatch";
+  std::vector<float> got_f, rounded_f;
+  std::vector<double> want_f;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    if (std::isnan(want[i]) != std::isnan(got[i]))
+      return ::testing::AssertionFailure() << what << ": NaN mismatch at " << i << ": actual "
+                                           << got[i] << ", float64 " << want[i];
+    if (std::isnan(want[i])) continue;
+    if (std::isinf(want[i]) || std::isinf(got[i])) {
+      if (want[i] != got[i])
+        return ::testing::AssertionFailure()
+               << what << ": at " << i << ": actual " << got[i] << ", float64 " << want[i];
+      continue;
+    }
+    got_f.push_back(got[i]);
+    want_f.push_back(want[i]);
+    rounded_f.push_back(qbl_test::ref_round(t, static_cast<float>(want[i])));
+  }
+  if (got_f.empty()) return ::testing::AssertionSuccess();
+  const double err = qbl_test::relative_error(got_f, want_f);
+  const double best = qbl_test::relative_error(rounded_f, want_f);
+  // 16-bit: at least two roundings' worth (2u), whatever `best` happens to be for a handful of
+  // elements (accumulating rounds twice: RN(old + RN(sum))).
+  const double limit = t == DType::tf32 ? 4e-3
+                       : t == DType::fp32
+                           ? 1.5 * best + 2e-5
+                           : std::max(2.5 * best, 2 * qbl_test::unit_roundoff(t)) + 2e-5;
+  if (err <= limit) return ::testing::AssertionSuccess();
+  std::size_t worst = 0;
+  for (std::size_t i = 0; i < got_f.size(); ++i)
+    if (std::fabs(got_f[i] - want_f[i]) > std::fabs(got_f[worst] - want_f[worst])) worst = i;
+  return ::testing::AssertionFailure()
+         << what << ": relative error " << err << " > " << limit
+         << " (one rounding to the dtype: " << best << "); worst finite element " << worst
+         << ": expected " << want_f[worst] << ", actual " << got_f[worst];
+}
+
+/// Every check of one case; returns false on any failure (which it has reported).
+bool check_backward(const BwdCase& c, const BwdData& d, const BwdResult& r) {
+  const DType dt = c.dtype;
+  const int failures_before =
+      ::testing::UnitTest::GetInstance()->current_test_info()->result()->total_part_count();
+  float amax = 0, scale = 0;
+  const std::vector<float> want_mixed =
+      qbl_test::reference_mixed(dt, d.x, r.alpha, c.tokens, c.in, &amax, &scale);
+  EXPECT_TRUE(qbl_test::bits_equal(r.mixed, want_mixed, static_cast<std::size_t>(c.in))) << "mixed";
+  EXPECT_TRUE(bits(r.scale) == bits(scale) || (std::isnan(r.scale) && std::isnan(scale)))
+      << "scale: expected " << scale << ", actual " << r.scale;
+
+  if (!r.g_mixed.empty()) {
+    if (c.identity && dt != DType::tf32) {
+      // g_mixed = grad_out · I = grad_out exactly (-0 read as +0 through the probe); TF32 would
+      // round grad_out's operands to 10 fraction bits.
+      std::vector<float> want(d.grad_out.size());
+      for (std::size_t i = 0; i < want.size(); ++i)
+        want[i] = d.grad_out[i] == 0.0f ? 0.0f : d.grad_out[i];
+      EXPECT_TRUE(qbl_test::bits_equal(r.g_mixed, want, static_cast<std::size_t>(c.in)))
+          << "g_mixed";
+    } else {
+      EXPECT_TRUE(gemm_close(dt, r.g_mixed,
+                             qbl_test::dgrad_reference(d.grad_out, d.w, c.tokens, c.in, c.out),
+                             "g_mixed (dgrad)"));
+    }
+  }
+  if (!r.gx.empty()) {
+    std::vector<float> want(r.gx.size());
+    std::vector<float> got = r.gx;
+    for (std::int64_t t = 0; t < c.tokens; ++t)
+      for (std::int64_t i = 0; i < c.in; ++i) {
+        const std::size_t k = static_cast<std::size_t>(t * c.in + i);
+        want[k] = qbl_test::reference_grad_x(dt, r.g_mixed[k], r.alpha[t], scale, c.ste);
+        // Straight-through keeps the sign of a zero g_mixed, which the probe cannot see (and which
+        // depends on how the GEMM's accumulator starts): accept either sign there.
+        if (c.ste && r.g_mixed[k] == 0.0f && got[k] == 0.0f && want[k] == 0.0f) got[k] = want[k];
+      }
+    EXPECT_TRUE(qbl_test::bits_equal(got, want, static_cast<std::size_t>(c.in))) << "grad_x";
+  }
+  if (!r.gl.empty()) {
+    int bad = 0;
+    for (std::int64_t t = 0; t < c.tokens; ++t) {
+      const auto w = qbl_test::reference_grad_logit(dt, &r.g_mixed[t * c.in], &d.x[t * c.in], c.in,
+                                                    r.alpha[t], scale);
+      const float got = r.gl[t];
+      const bool ok = w.nan ? std::isnan(got)
+                            : (w.overflow ? !std::isfinite(got) : (w.lo <= got && got <= w.hi));
+      if (!ok && bad++ < 8)
+        ADD_FAILURE() << "grad_logits[" << t << "]: actual " << got << " (0x" << std::hex
+                      << bits(got) << std::dec << "), expected "
+                      << (w.nan ? std::string("NaN")
+                                : "[" + std::to_string(w.lo) + ", " + std::to_string(w.hi) + "]")
+                      << ", float64 " << w.exact;
+    }
+    EXPECT_EQ(bad, 0) << "grad_logits";
+  }
+  if (!r.gw.empty()) {
+    EXPECT_TRUE(gemm_close(
+        dt, r.gw,
+        qbl_test::wgrad_reference(d.grad_out, want_mixed, c.accumulate ? d.old_w.data() : nullptr,
+                                  c.tokens, c.in, c.out),
+        "grad_weight"));
+  }
+  if (!r.gb.empty()) {
+    std::vector<double> abs_sum;
+    std::vector<double> want = qbl_test::bias_grad_reference(d.grad_out, c.tokens, c.out, &abs_sum);
+    // Element-wise, against the plain float64 sum S: an fp32 sum in any order is within
+    // (tokens - 1) 2^-24 sum |g| of S; then up to two roundings to the dtype (cuBLASLt's BGRADB
+    // epilogue or qbl's kernel; 2u |S|, u = 2^-24, 2^-8, 2^-11), and accumulating adds
+    // RN(old + that): u |old + S| more. 2^-20 sum |g| covers the float64 sum's own error.
+    const double u = qbl_test::unit_roundoff(dt == DType::tf32 ? DType::fp32 : dt);
+    int bad = 0;
+    for (std::int64_t o = 0; o < c.out; ++o) {
+      const double exact = want[o] + (c.accumulate ? d.old_b[o] : 0.0);
+      const double bound = (static_cast<double>(c.tokens - 1) * 0x1p-24 + 0x1p-20) * abs_sum[o] +
+                           2 * u * std::fabs(want[o]) + (c.accumulate ? u * std::fabs(exact) : 0.0);
+      if (!(std::fabs(r.gb[o] - exact) <= bound) && bad++ < 8)
+        ADD_FAILURE() << "grad_bias[" << o << "]: expected " << exact << " +- " << bound
+                      << ", actual " << r.gb[o];
+      want[o] = exact;
+    }
+    EXPECT_EQ(bad, 0) << "grad_bias";
+    // Relative (Frobenius) too, overwriting only: accumulating rounds RN(old + RN(S)), whose
+    // error is relative to |S|, not to |old + S| (cancellation) -- the element-wise bound covers
+    // it.
+    if (!c.accumulate)
+      EXPECT_TRUE(gemm_close(dt == DType::tf32 ? DType::fp32 : dt, r.gb, want, "grad_bias"));
+  }
+  return ::testing::UnitTest::GetInstance()->current_test_info()->result()->total_part_count() ==
+         failures_before;
+}
+
+// ---- fixed shapes -------------------------------------------------------------------------------
+
+void PrintTo(const BwdCase& c, std::ostream* os) { *os << c.describe(); }
+
+class LayerBackward : public ::testing::TestWithParam<BwdCase> {};
+
+TEST_P(LayerBackward, MatchesTheReference) {
+  QBL_REQUIRE_GPU();
+  BwdCase c = GetParam();
+  c.seed = qbl_test::fresh_seed();
+  SCOPED_TRACE(c.describe());
+  const BwdData d = make_data(c);
+  const BwdResult r = run_backward(c, d);
+  if (::testing::Test::HasFatalFailure()) return;
+  check_backward(c, d, r);
+}
+
+std::vector<BwdCase> layer_cases() {
+  std::vector<BwdCase> v;
+  for (DType t : {DType::fp32, DType::tf32, DType::bf16, DType::fp16}) {
+    // Identity weight: g_mixed == grad_out, grad_x bit-exact end to end.
+    for (auto [tokens, d] :
+         {std::pair<std::int64_t, std::int64_t>{1, 1}, {3, 3}, {7, 65}, {65, 217}, {217, 64}})
+      for (std::size_t off : {0, 1})
+        for (bool ste : {false, true}) {
+          BwdCase c;
+          c.dtype = t, c.tokens = tokens, c.in = c.out = d, c.max_tokens = 256;
+          c.in_off = c.out_off = off, c.ste = ste, c.identity = true;
+          v.push_back(c);
+        }
+    // General weights, in != out, accumulation on every other case.
+    int k = 0;
+    for (auto [tokens, in, out] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1, 3, 7},
+                                   {7, 65, 217},
+                                   {65, 217, 64},
+                                   {217, 96, 40},
+                                   {1024, 256, 512},
+                                   {3, 512, 1}})
+      for (std::size_t off : {0, 1}) {
+        BwdCase c;
+        c.dtype = t, c.tokens = tokens, c.in = in, c.out = out, c.max_tokens = 1024;
+        c.in_off = c.out_off = off, c.ste = k % 3 == 1, c.accumulate = k % 2 == 1,
+        c.bias = k % 4 != 3;
+        ++k;
+        v.push_back(c);
+      }
+  }
+  // in_features == 1 (the wgrad GEMM's m = 1), each way grad_bias can be formed: the BGRADB
+  // epilogue written directly, into the scratch and accumulated, and qbl's bias_grad kernel alone.
+  for (DType t : {DType::fp32, DType::bf16, DType::fp16})
+    for (unsigned want :
+         {unsigned{want_all}, unsigned{want_weight | want_bias}, unsigned{want_bias}})
+      for (bool acc : {false, true}) {
+        BwdCase c;
+        c.dtype = t, c.tokens = 379, c.in = 1, c.out = 59, c.max_tokens = 512, c.want = want,
+        c.accumulate = acc;
+        v.push_back(c);
+      }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LayerBackward, ::testing::ValuesIn(layer_cases()),
+                         [](const ::testing::TestParamInfo<BwdCase>& i) {
+                           const BwdCase& c = i.param;
+                           return std::string(qbl_test::dtype_name(c.dtype)) +
+                                  (c.identity ? "_identity" : "_general") + "_t" +
+                                  std::to_string(c.tokens) + "_in" + std::to_string(c.in) + "_out" +
+                                  std::to_string(c.out) + "_off" + std::to_string(c.in_off) +
+                                  (c.ste ? "_ste" : "_zero") + (c.accumulate ? "_acc" : "") +
+                                  (c.want == want_all ? "" : "_want" + std::to_string(c.want));
+                         });
+
+// Every subset of the four gradients, each with and without accumulation: the requested ones
+// right, the others never written; inputs that only an unrequested output needs may be null.
+TEST(LayerBackwardSubsets, EverySubsetIsRightAndWritesNothingElse) {
+  QBL_REQUIRE_GPU();
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  for (DType t : {DType::fp32, DType::bf16}) {
+    for (unsigned want = 1; want <= 15; ++want) {
+      BwdCase c;
+      c.dtype = t, c.tokens = 37, c.in = 72, c.out = 40, c.max_tokens = 64, c.want = want;
+      c.accumulate = want % 2 == 0, c.ste = want % 3 == 0, c.seed = seed + want;
+      SCOPED_TRACE(c.describe());
+      const BwdData d = make_data(c);
+      const BwdResult r = run_backward(c, d);
+      if (::testing::Test::HasFatalFailure()) return;
+      check_backward(c, d, r);
+    }
+  }
+  // Only weight and bias wanted: x, logits and weight are not needed and may be null.
+  qbl::Options o;
+  o.backward = true;
+  qbl::QuantBlendLinear<float> layer(72, 40, 64, o);
+  BwdCase c;
+  c.tokens = 37, c.in = 72, c.out = 40, c.max_tokens = 64, c.want = want_weight | want_bias,
+  c.seed = seed;
+  const BwdData d = make_data(c);
+  BwdBuffers<float> buf(c);
+  QBL_ASSERT_CUDA(buf.upload(d));
+  QBL_ASSERT_CUDA(buf.poison(d));
+  buf.forward(layer);
+  EXPECT_NO_THROW(layer.backward(buf.go.get(), nullptr, nullptr, nullptr, buf.mixed.get(),
+                                 buf.stats.get(), c.tokens, buf.grads()));
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  BwdResult r;
+  std::vector<float> alpha(static_cast<std::size_t>(c.tokens));
+  qbl_test::DeviceArray<float> da(alpha.size());
+  qbl_test::device_sigmoid_t<float><<<1, 64>>>(buf.l.get(), da.get(), c.tokens);
+  QBL_ASSERT_CUDA(qbl_test::to_host(alpha, da.get()));
+  const auto mixed = qbl_test::reference_mixed(DType::fp32, d.x, alpha, c.tokens, c.in);
+  r.gw = read_output(buf.gw, 0, buf.nw, true, "grad_weight");
+  EXPECT_TRUE(gemm_close(
+      DType::fp32, r.gw,
+      qbl_test::wgrad_reference(d.grad_out, mixed, nullptr, c.tokens, c.in, c.out), "grad_weight"));
+  r.gb = read_output(buf.gb, 0, static_cast<std::size_t>(c.out), true, "grad_bias");
+  EXPECT_TRUE(gemm_close(DType::fp32, r.gb,
+                         qbl_test::bias_grad_reference(d.grad_out, c.tokens, c.out, nullptr),
+                         "grad_bias"));
+  read_output(buf.gx, 0, buf.nx, false, "grad_x");
+  read_output(buf.gl, 0, static_cast<std::size_t>(c.tokens), false, "grad_logits");
+}
+
+// The instance's own mixed and scale (nullptr for both): those of its last forward() without
+// caller buffers -- the same gradients as with caller buffers holding the same forward.
+TEST(LayerBackwardOwnBuffers, NullMixedAndStatsUseTheLastForward) {
+  QBL_REQUIRE_GPU();
+  BwdCase c;
+  c.tokens = 50, c.in = 64, c.out = 48, c.max_tokens = 64, c.seed = qbl_test::fresh_seed();
+  SCOPED_TRACE(c.describe());
+  const BwdData d = make_data(c);
+  BwdBuffers<float> buf(c);
+  QBL_ASSERT_CUDA(buf.upload(d));
+  qbl::Options o;
+  o.backward = true;
+  qbl::QuantBlendLinear<float> layer(c.in, c.out, c.max_tokens, o);
+  std::vector<std::vector<float>> results[2];
+  for (int own = 0; own < 2; ++own) {
+    QBL_ASSERT_CUDA(buf.poison(d));
+    if (own) {
+      layer.forward(buf.x.get(), buf.l.get(), buf.w.get(), buf.b.get(), buf.out.get(), c.tokens);
+      layer.backward(buf.go.get(), buf.x.get(), buf.l.get(), buf.w.get(), nullptr, nullptr,
+                     c.tokens, buf.grads());
+    } else {
+      buf.forward(layer);
+      buf.backward(layer);
+    }
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    results[own].push_back(read_output(buf.gx, 0, buf.nx, true, "grad_x"));
+    results[own].push_back(
+        read_output(buf.gl, 0, static_cast<std::size_t>(c.tokens), true, "grad_logits"));
+    results[own].push_back(read_output(buf.gw, 0, buf.nw, true, "grad_weight"));
+    results[own].push_back(
+        read_output(buf.gb, 0, static_cast<std::size_t>(c.out), true, "grad_bias"));
+  }
+  for (int k = 0; k < 4; ++k)
+    EXPECT_TRUE(qbl_test::bits_equal(results[1][k], results[0][k])) << "output " << k;
+}
+
+// ---- non-finite inputs: each expectation derived from the formulas ------------------------------
+
+template <typename T>
+class LayerBackwardNonFinite : public ::testing::Test {};
+using AllTypes = ::testing::Types<float, __nv_bfloat16, __half>;
+struct AllTypeNames {
+  template <typename T>
+  static std::string GetName(int) {
+    return qbl_test::dtype_name(qbl_test::dtype_of<T>());
+  }
+};
+TYPED_TEST_SUITE(LayerBackwardNonFinite, AllTypes, AllTypeNames);
+
+bool all_nan(const std::vector<float>& v) {
+  return !v.empty() && std::all_of(v.begin(), v.end(), [](float e) { return std::isnan(e); });
+}
+bool none_nan(const std::vector<float>& v) {
+  return std::none_of(v.begin(), v.end(), [](float e) { return std::isnan(e); });
+}
+
+TYPED_TEST(LayerBackwardNonFinite, EachCaseFollowsTheFormulas) {
+  QBL_REQUIRE_GPU();
+  using T = TypeParam;
+  constexpr DType dt = qbl_test::dtype_of<T>();
+  constexpr std::int64_t row = 11;
+  struct Edge {
+    const char* name;
+    bool ste;
+    std::function<void(BwdData&)> edit;
+    std::function<void(const BwdCase&, const BwdResult&)> expect;
+  };
+  const std::vector<Edge> table = {
+      {"NaN in x: amax and scale NaN, 0 / NaN = NaN in every grad_x; x_q NaN in every row's sum_q, "
+       "so "
+       "every grad_logit NaN; mixed all NaN, so every grad_weight NaN; grad_bias (grad_out only) "
+       "finite",
+       false, [](BwdData& d) { d.x[5 * 96 + 7] = nan; },
+       [](const BwdCase&, const BwdResult& r) {
+         EXPECT_TRUE(all_nan(r.gx));
+         EXPECT_TRUE(all_nan(r.gl));
+         EXPECT_TRUE(all_nan(r.gw));
+         EXPECT_TRUE(none_nan(r.gb));
+       }},
+      {"NaN in x, straight-through: grad_x = RN(g alpha) + RN(g (1 - alpha)) has no scale: finite",
+       true, [](BwdData& d) { d.x[5 * 96 + 7] = nan; },
+       [](const BwdCase&, const BwdResult& r) {
+         EXPECT_TRUE(none_nan(r.gx));
+         EXPECT_TRUE(all_nan(r.gl));
+       }},
+      {"+Inf in x: scale Inf, 0 / Inf = +0, grad_x finite; x_q = round(x / Inf) * Inf = 0 * Inf = "
+       "NaN: "
+       "every grad_logit and (mixed NaN) every grad_weight NaN",
+       false, [](BwdData& d) { d.x[3] = inf; },
+       [](const BwdCase&, const BwdResult& r) {
+         EXPECT_TRUE(none_nan(r.gx));
+         EXPECT_TRUE(all_nan(r.gl));
+         EXPECT_TRUE(all_nan(r.gw));
+       }},
+      {"NaN logit in one row: alpha NaN there, so that row's grad_x and grad_logit NaN, no other; "
+       "that row of mixed NaN enters every grad_weight element",
+       false, [](BwdData& d) { d.logits[row] = nan; },
+       [](const BwdCase& k, const BwdResult& r) {
+         for (std::int64_t t = 0; t < k.tokens; ++t) {
+           EXPECT_EQ(std::isnan(r.gl[t]), t == row) << "token " << t;
+           for (std::int64_t i = 0; i < k.in; ++i)
+             ASSERT_EQ(std::isnan(r.gx[t * k.in + i]), t == row) << "token " << t;
+         }
+         EXPECT_TRUE(all_nan(r.gw));
+         EXPECT_TRUE(none_nan(r.gb));
+       }},
+      {"+Inf / -Inf logits: alpha 1 / 0; grad_x = RN(g * 0) + 0 = +0 in the +Inf row, g in the "
+       "-Inf row; "
+       "grad_logit = ga * (1 - alpha) * alpha = 0 in both",
+       false, [](BwdData& d) { d.logits[row] = inf, d.logits[row + 1] = -inf; },
+       [](const BwdCase& k, const BwdResult& r) {
+         for (std::int64_t i = 0; i < k.in; ++i) {
+           ASSERT_EQ(bits(r.gx[row * k.in + i]), 0u) << i;
+           const float g = r.g_mixed[(row + 1) * k.in + i];
+           ASSERT_EQ(bits(r.gx[(row + 1) * k.in + i]), bits(g == 0.0f ? 0.0f : g)) << i;
+         }
+         EXPECT_EQ(r.gl[row], 0.0f);
+         EXPECT_EQ(r.gl[row + 1], 0.0f);
+       }},
+      {dt == DType::fp16
+           ? "all-zero x, fp16: the 1e-8 bound rounds to 0, scale 0: 0 / 0 = NaN in every grad_x, "
+             "x_q = 0 / 0 NaN: every grad_logit and grad_weight NaN"
+           : "all-zero x: scale 1e-8 / 127 > 0, grad_x = RN(g (1 - alpha)) + 0, x_q = 0: "
+             "grad_logit = (0 - 0) ... = 0, mixed 0: grad_weight 0",
+       false, [](BwdData& d) { std::fill(d.x.begin(), d.x.end(), 0.0f); },
+       [](const BwdCase&, const BwdResult& r) {
+         if (dt == DType::fp16) {
+           EXPECT_TRUE(all_nan(r.gx));
+           EXPECT_TRUE(all_nan(r.gl));
+           EXPECT_TRUE(all_nan(r.gw));
+         } else {
+           EXPECT_TRUE(none_nan(r.gx));
+           for (float v : r.gl) ASSERT_EQ(v, 0.0f);
+           for (float v : r.gw) ASSERT_EQ(v, 0.0f);
+         }
+       }},
+      {"all-zero x, straight-through: grad_x finite in every dtype", true,
+       [](BwdData& d) { std::fill(d.x.begin(), d.x.end(), 0.0f); },
+       [](const BwdCase&, const BwdResult& r) { EXPECT_TRUE(none_nan(r.gx)); }},
+  };
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  for (const Edge& e : table) {
+    BwdCase c;
+    c.dtype = dt, c.tokens = 37, c.in = 96, c.out = 24, c.max_tokens = 64, c.ste = e.ste,
+    c.seed = seed;
+    SCOPED_TRACE(std::string(e.name) + "; " + c.describe());
+    BwdData d = make_data(c);
+    e.edit(d);
+    const BwdResult r = run_backward(c, d);
+    if (::testing::Test::HasFatalFailure()) return;
+    // The generic checks derive the same expectations from the reference formulas...
+    check_backward(c, d, r);
+    // ... and the table states them by hand.
+    e.expect(c, r);
+  }
+}
+
+// ---- bad input --------------------------------------------------------------------------------
+
+using Layer = qbl::QuantBlendLinear<float>;
+
+struct BadCase {
+  const char* name;
+  std::function<void(Layer&, BwdBuffers<float>&)> call;
+  enum { invalid, range, logic } expect;
+};
+
+TEST(LayerBackwardBadInput, EveryCaseThrowsItsTypeAndTouchesNothing) {
+  QBL_REQUIRE_GPU();
+  BwdCase c;
+  c.tokens = 300, c.in = 128, c.out = 64, c.max_tokens = 512, c.seed = qbl_test::fresh_seed();
+  const BwdData d = make_data(c);
+  BwdBuffers<float> buf(c);
+  QBL_ASSERT_CUDA(buf.upload(d));
+  using B = BwdBuffers<float>;
+  using G = Layer::Gradients;
+  auto odd = [](auto* p) { return reinterpret_cast<decltype(p)>(reinterpret_cast<char*>(p) + 2); };
+  // backward with all four gradients, one argument replaced.
+  auto call = [](Layer& L, const float* go, const float* x, const float* l, const float* w,
+                 const float* m, const float* s, std::int64_t t,
+                 const G& g) { L.backward(go, x, l, w, m, s, t, g); };
+  const std::vector<BadCase> cases = {
+      {"null grad_out",
+       [&](Layer& L, B& b) {
+         call(L, nullptr, b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(), b.c.tokens,
+              b.grads());
+       },
+       BadCase::invalid},
+      {"null weight, grad_x wanted",
+       [&](Layer& L, B& b) {
+         G g;
+         g.x = b.gx.get();
+         call(L, b.go.get(), b.x.get(), b.l.get(), nullptr, b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"null logits, grad_x wanted",
+       [&](Layer& L, B& b) {
+         G g;
+         g.x = b.gx.get();
+         call(L, b.go.get(), b.x.get(), nullptr, b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"null weight, grad_logits wanted",
+       [&](Layer& L, B& b) {
+         G g;
+         g.logits = b.gl.get();
+         call(L, b.go.get(), b.x.get(), b.l.get(), nullptr, b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"null logits, grad_logits wanted",
+       [&](Layer& L, B& b) {
+         G g;
+         g.logits = b.gl.get();
+         call(L, b.go.get(), b.x.get(), nullptr, b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"null x, grad_logits wanted",
+       [&](Layer& L, B& b) {
+         G g;
+         g.logits = b.gl.get();
+         call(L, b.go.get(), nullptr, b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"mixed given, stats null",
+       [&](Layer& L, B& b) {
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), nullptr, b.c.tokens,
+              b.grads());
+       },
+       BadCase::invalid},
+      {"stats given, mixed null",
+       [&](Layer& L, B& b) {
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), nullptr, b.stats.get(), b.c.tokens,
+              b.grads());
+       },
+       BadCase::invalid},
+      {"misaligned grad_out",
+       [&](Layer& L, B& b) {
+         call(L, odd(b.go.get()), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, b.grads());
+       },
+       BadCase::invalid},
+      {"misaligned x",
+       [&](Layer& L, B& b) {
+         call(L, b.go.get(), odd(b.x.get()), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, b.grads());
+       },
+       BadCase::invalid},
+      {"misaligned weight",
+       [&](Layer& L, B& b) {
+         call(L, b.go.get(), b.x.get(), b.l.get(), odd(b.w.get()), b.mixed.get(), b.stats.get(),
+              b.c.tokens, b.grads());
+       },
+       BadCase::invalid},
+      {"misaligned mixed",
+       [&](Layer& L, B& b) {
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), odd(b.mixed.get()), b.stats.get(),
+              b.c.tokens, b.grads());
+       },
+       BadCase::invalid},
+      {"misaligned stats",
+       [&](Layer& L, B& b) {
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), odd(b.stats.get()),
+              b.c.tokens, b.grads());
+       },
+       BadCase::invalid},
+      {"misaligned grad_x",
+       [&](Layer& L, B& b) {
+         G g = b.grads();
+         g.x = odd(g.x);
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"misaligned grad_weight",
+       [&](Layer& L, B& b) {
+         G g = b.grads();
+         g.weight = odd(g.weight);
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"misaligned grad_bias",
+       [&](Layer& L, B& b) {
+         G g = b.grads();
+         g.bias = odd(g.bias);
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"negative tokens",
+       [&](Layer& L, B& b) {
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(), -1,
+              b.grads());
+       },
+       BadCase::invalid},
+      {"tokens > max_tokens",
+       [&](Layer& L, B& b) {
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              L.max_tokens() + 1, b.grads());
+       },
+       BadCase::range},
+      {"grad_x is x",
+       [&](Layer& L, B& b) {
+         G g = b.grads();
+         g.x = b.x.get();
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"grad_x overlaps grad_out",
+       [&](Layer& L, B& b) {
+         G g = b.grads();
+         g.x = b.go.get() + 100;
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"grad_logits is logits",
+       [&](Layer& L, B& b) {
+         G g = b.grads();
+         g.logits = b.l.get();
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"grad_weight is weight",
+       [&](Layer& L, B& b) {
+         G g = b.grads();
+         g.weight = b.w.get();
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"grad_weight overlaps mixed",
+       [&](Layer& L, B& b) {
+         G g = b.grads();
+         g.weight = b.mixed.get() + 7;
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"grad_bias overlaps stats",
+       [&](Layer& L, B& b) {
+         G g = b.grads();
+         g.bias = b.stats.get();
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"grad_bias inside grad_weight",
+       [&](Layer& L, B& b) {
+         G g = b.grads();
+         g.bias = g.weight + 10;
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"grad_logits inside grad_x",
+       [&](Layer& L, B& b) {
+         G g = b.grads();
+         g.logits = g.x + 3;
+         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
+              b.c.tokens, g);
+       },
+       BadCase::invalid},
+      {"use after move",
+       [&](Layer& L, B& b) {
+         Layer taken = std::move(L);
+         b.backward(L);
+       },
+       BadCase::logic},
+      {"no Options::backward",
+       [&](Layer&, B& b) {
+         Layer plain(128, 64, 512);
+         b.backward(plain);
+       },
+       BadCase::logic},
+  };
+  ASSERT_GE(cases.size(), 25u);
+  const std::vector<float> x_before = d.x, w_before = d.w;
+  qbl::Options o;
+  o.backward = true;
+  for (const BadCase& bc : cases) {
+    SCOPED_TRACE(bc.name);
+    Layer layer(c.in, c.out, c.max_tokens, o);
+    buf.forward(layer);
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    QBL_ASSERT_CUDA(buf.poison(d));
+    switch (bc.expect) {
+      case BadCase::invalid:
+        EXPECT_THROW(bc.call(layer, buf), qbl::invalid_argument);
+        break;
+      case BadCase::range:
+        EXPECT_THROW(bc.call(layer, buf), qbl::out_of_range);
+        break;
+      case BadCase::logic:
+        EXPECT_THROW(bc.call(layer, buf), qbl::logic_error);
+        break;
+    }
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    read_output(buf.gx, 0, buf.nx, false, "grad_x");
+    read_output(buf.gl, 0, static_cast<std::size_t>(c.tokens), false, "grad_logits");
+    read_output(buf.gw, 0, buf.nw, false, "grad_weight");
+    read_output(buf.gb, 0, static_cast<std::size_t>(c.out), false, "grad_bias");
+    std::vector<float> x(d.x.size()), w(d.w.size());
+    QBL_ASSERT_CUDA(qbl_test::to_host(x, buf.x.get()));
+    QBL_ASSERT_CUDA(qbl_test::to_host(w, buf.w.get()));
+    EXPECT_TRUE(qbl_test::bits_equal(x, x_before)) << "x changed";
+    EXPECT_TRUE(qbl_test::bits_equal(w, w_before)) << "weight changed";
+  }
+}
+
+TEST(LayerBackwardBadInput, ZeroTokensIsANoOp) {
+  QBL_REQUIRE_GPU();
+  BwdCase c;
+  c.tokens = 30, c.in = 32, c.out = 16, c.max_tokens = 64, c.seed = qbl_test::fresh_seed();
+  const BwdData d = make_data(c);
+  BwdBuffers<float> buf(c);
+  QBL_ASSERT_CUDA(buf.upload(d));
+  qbl::Options o;
+  o.backward = true;
+  Layer layer(c.in, c.out, c.max_tokens, o);
+  buf.forward(layer);
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  QBL_ASSERT_CUDA(buf.poison(d));
+  EXPECT_NO_THROW(layer.backward(buf.go.get(), buf.x.get(), buf.l.get(), buf.w.get(),
+                                 buf.mixed.get(), buf.stats.get(), 0, buf.grads()));
+  EXPECT_NO_THROW(
+      layer.backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, buf.grads()));
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  read_output(buf.gx, 0, buf.nx, false, "grad_x");
+  read_output(buf.gl, 0, static_cast<std::size_t>(c.tokens), false, "grad_logits");
+  read_output(buf.gw, 0, buf.nw, false, "grad_weight");
+  read_output(buf.gb, 0, static_cast<std::size_t>(c.out), false, "grad_bias");
+  EXPECT_TRUE(layer.has_backward());
+  EXPECT_FALSE(Layer(c.in, c.out, c.max_tokens).has_backward());
+}
+
+// ---- CUDA graphs ------------------------------------------------------------------------------
+
+// forward (caller mixed/stats) + backward captured once, replayed 1,000 times with new x, logits
+// and grad_out copied into the captured buffers before each replay: every checked replay equals
+// the direct calls on those inputs, bit for bit, in all six outputs.
+TEST(LayerBackwardGraph, ThousandReplaysWithChangingInputsGiveTheDirectResult) {
+  QBL_REQUIRE_GPU();
+  BwdCase c;
+  c.tokens = 64, c.in = 256, c.out = 128, c.max_tokens = 64, c.seed = qbl_test::fresh_seed();
+  SCOPED_TRACE(c.describe());
+  constexpr int sets = 4;
+  std::vector<BwdData> data;
+  for (int k = 0; k < sets; ++k) {
+    BwdCase ck = c;
+    ck.seed = c.seed + 1000 * k;
+    data.push_back(make_data(ck));
+  }
+  BwdBuffers<float> buf(c);
+  QBL_ASSERT_CUDA(buf.upload(data[0]));
+  std::vector<std::unique_ptr<qbl_test::DeviceArray<float>>> xs, ls, gos;
+  for (int k = 0; k < sets; ++k) {
+    xs.push_back(std::make_unique<qbl_test::DeviceArray<float>>(buf.nx));
+    ls.push_back(
+        std::make_unique<qbl_test::DeviceArray<float>>(static_cast<std::size_t>(c.tokens)));
+    gos.push_back(std::make_unique<qbl_test::DeviceArray<float>>(buf.ng));
+    QBL_ASSERT_CUDA(qbl_test::to_device(xs[k]->get(), data[k].x));
+    QBL_ASSERT_CUDA(qbl_test::to_device(ls[k]->get(), data[k].logits));
+    QBL_ASSERT_CUDA(qbl_test::to_device(gos[k]->get(), data[k].grad_out));
+  }
+  qbl::Options o;
+  o.backward = true;
+  Layer layer(c.in, c.out, c.max_tokens, o);
+  cudaStream_t s = nullptr;
+  QBL_ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto load = [&](int k) {
+    QBL_ASSERT_CUDA(cudaMemcpyAsync(buf.x.get(), xs[k]->get(), buf.nx * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, s));
+    QBL_ASSERT_CUDA(cudaMemcpyAsync(buf.l.get(), ls[k]->get(), c.tokens * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, s));
+    QBL_ASSERT_CUDA(cudaMemcpyAsync(buf.go.get(), gos[k]->get(), buf.ng * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, s));
+    for (auto* a : {&buf.gx, &buf.gl, &buf.gw, &buf.gb, &buf.out, &buf.mixed})
+      QBL_ASSERT_CUDA(
+          cudaMemsetAsync(a->get(), qbl_test::poison_byte, a->size() * sizeof(float), s));
+  };
+  struct Outs {
+    std::vector<float> v[6];
+  };
+  auto fetch = [&](Outs& r) {
+    const std::pair<const float*, std::size_t> src[6] = {
+        {buf.out.get(), buf.ng}, {buf.mixed.get(), buf.nx},
+        {buf.gx.get(), buf.nx},  {buf.gl.get(), static_cast<std::size_t>(c.tokens)},
+        {buf.gw.get(), buf.nw},  {buf.gb.get(), static_cast<std::size_t>(c.out)}};
+    for (int i = 0; i < 6; ++i) {
+      r.v[i].resize(src[i].second);
+      QBL_ASSERT_CUDA(cudaMemcpyAsync(r.v[i].data(), src[i].first, src[i].second * sizeof(float),
+                                      cudaMemcpyDeviceToHost, s));
+    }
+    QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
+  };
+  std::vector<Outs> want(sets);
+  for (int k = 0; k < sets; ++k) {
+    load(k);
+    buf.forward(layer, s);
+    buf.backward(layer, s);
+    fetch(want[k]);
+    for (int i = 0; i < 6; ++i)
+      for (float v : want[k].v[i])
+        ASSERT_NE(bits(v), 0xffffffffu) << "direct call left output " << i << " unwritten";
+  }
+  EXPECT_FALSE(qbl_test::bits_equal(want[0].v[2], want[1].v[2])) << "different inputs, same grad_x";
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  QBL_ASSERT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  buf.forward(layer, s);
+  buf.backward(layer, s);
+  QBL_ASSERT_CUDA(cudaStreamEndCapture(s, &graph));
+  QBL_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  const char* env = std::getenv("QBL_GRAPH_REPLAYS");
+  const int replays = env != nullptr && *env != '\0' ? std::min(std::atoi(env), 1000) : 1000;
+  int checked = 0, bad = 0;
+  Outs got;
+  for (int rep = 0; rep < replays; ++rep) {
+    const int k = rep % sets;
+    load(k);
+    QBL_ASSERT_CUDA(cudaGraphLaunch(exec, s));
+    if (rep < 4 || rep % 100 == 99) {
+      fetch(got);
+      bool ok = true;
+      for (int i = 0; i < 6; ++i)
+        ok = ok && std::memcmp(got.v[i].data(), want[k].v[i].data(),
+                               got.v[i].size() * sizeof(float)) == 0;
+      EXPECT_TRUE(ok) << "replay " << rep;
+      bad += !ok;
+      ++checked;
+    }
+  }
+  QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
+  EXPECT_EQ(bad, 0) << "of " << checked << " checked replays";
+  EXPECT_EQ(replays >= 1000, checked == 14);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+// ---- randomized property test -------------------------------------------------------------------
+
+std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 0) : fallback;
+}
+
+/// Case `index` of the run seeded `seed`: the same pair always gives the same case.
+BwdCase make_backward_case(std::uint64_t seed, int index) {
+  std::mt19937_64 gen(seed * 0x9e3779b97f4a7c15ull + static_cast<std::uint64_t>(index) +
+                      0x5bd1e995u);
+  auto log_uniform = [&](double lo, double hi) {
+    return std::exp(std::uniform_real_distribution<double>(std::log(lo), std::log(hi))(gen));
+  };
+  BwdCase c;
+  const DType types[] = {DType::fp32, DType::fp32, DType::tf32,
+                         DType::bf16, DType::bf16, DType::fp16};
+  c.dtype = types[gen() % 6];
+  // The CPU's float64 references (dgrad and wgrad products) cost 2 tokens * in * out each.
+  do {
+    c.tokens = static_cast<std::int64_t>(log_uniform(1, 1025));
+    c.in = static_cast<std::int64_t>(log_uniform(1, 513));
+    c.out = static_cast<std::int64_t>(log_uniform(1, 513));
+  } while (c.tokens * c.in * c.out > (std::int64_t{1} << 20));
+  c.max_tokens =
+      c.tokens + static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(c.tokens + 1));
+  const std::size_t offsets[] = {0, 0, 0, 1, 2, 3, 4, 8};
+  c.in_off = offsets[gen() % 8];
+  c.out_off = offsets[gen() % 8];
+  c.bias = gen() % 4 != 0;
+  c.ste = gen() % 3 == 0;
+  c.accumulate = gen() % 3 == 0;
+  c.want = 1 + static_cast<unsigned>(gen() % 15);
+  if (gen() % 2 == 0) c.want = want_all;
+  c.x_std = static_cast<float>(log_uniform(1e-2, c.dtype == DType::fp16 ? 30.0 : 1e3));
+  c.seed = gen();
+  return c;
+}
+
+TEST(LayerBackwardProperty, RandomCasesMatchTheIndependentReference) {
+  QBL_REQUIRE_GPU();
+  const std::uint64_t seed = env_u64("QBL_PROPERTY_SEED", qbl_test::fresh_seed());
+  const int cases = static_cast<int>(
+      env_u64("QBL_BACKWARD_PROPERTY_CASES", env_u64("QBL_PROPERTY_CASES", 1000)));
+  std::printf("[ property ] %d backward cases, seed %llu (replay: QBL_PROPERTY_SEED=%llu)\n", cases,
+              static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed));
+  const auto start = std::chrono::steady_clock::now();
+  int ran = 0, failed = 0, fallback = 0;
+  int per_type[4] = {};
+  for (int i = 0; i < cases && failed < 5; ++i) {
+    const BwdCase c = make_backward_case(seed, i);
+    SCOPED_TRACE("QBL_PROPERTY_SEED=" + std::to_string(seed) + " case " + std::to_string(i) + ": " +
+                 c.describe());
+    const BwdData d = make_data(c);
+    const BwdResult r = run_backward(c, d);
+    ++ran;
+    ++per_type[static_cast<int>(c.dtype)];
+    fallback += !r.forward_cublaslt;
+    failed += !check_backward(c, d, r) || ::testing::Test::HasFatalFailure();
+  }
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf(
+      "[ property ] ran %d (fp32 %d, tf32 %d, bf16 %d, fp16 %d) in %.1f s, forward GEMM on the "
+      "fallback in %d, failed %d\n",
+      ran, per_type[0], per_type[1], per_type[2], per_type[3], secs, fallback, failed);
+  EXPECT_EQ(ran, cases) << "stopped after 5 failing cases";
+}
+
+// The CPU slice: the first cases of a fixed seed through the library's host element math for the
+// backward, against the reference (no GPU: g_mixed and alpha drawn directly).
+TEST(LayerBackwardProperty, FixedSliceOnTheHostElementMath) {
+  constexpr std::uint64_t seed = 20261203;
+  for (int i = 0; i < 40; ++i) {
+    BwdCase c = make_backward_case(seed, i);
+    c.tokens = std::min<std::int64_t>(c.tokens, 64);
+    SCOPED_TRACE("case " + std::to_string(i) + ": " + c.describe());
+    const BwdData d = make_data(c);
+    std::mt19937 gen(static_cast<unsigned>(i));
+    std::vector<float> alpha(static_cast<std::size_t>(c.tokens)),
+        g(static_cast<std::size_t>(c.tokens * c.in));
+    for (auto& a : alpha)
+      a = qbl_test::ref_round(c.dtype, std::uniform_real_distribution<float>(0.0f, 1.0f)(gen));
+    for (auto& v : g)
+      v = qbl_test::ref_round(c.dtype, std::normal_distribution<float>(0.0f, 1.0f)(gen));
+    for (std::size_t k = 0; k < g.size(); k += 9) g[k] = -0.0f;
+    const float scale = qbl_test::reference_scale(
+        c.dtype, qbl_test::reference_amax(std::vector<float>(d.x.begin(), d.x.begin() + g.size())));
+    const qbl::QuantGrad mode = c.ste ? qbl::QuantGrad::straight_through : qbl::QuantGrad::zero;
+    for (std::int64_t t = 0; t < c.tokens; ++t) {
+      float sq = 0, sx = 0;
+      for (std::int64_t k = 0; k < c.in; ++k) {
+        const float gv = g[t * c.in + k], xv = d.x[t * c.in + k];
+        const float want = qbl_test::reference_grad_x(c.dtype, gv, alpha[t], scale, c.ste);
+        float got = 0, pq = 0, px = 0;
+        switch (c.dtype) {
+          case DType::fp32:
+          case DType::tf32:
+            got = qbl::grad_x_value<float>(gv, alpha[t], qbl::one_minus<float>(alpha[t]), scale,
+                                           mode);
+            pq = qbl::grad_product<float>(gv, qbl::fake_quant<float>(xv, scale));
+            px = qbl::grad_product<float>(gv, xv);
+            break;
+          case DType::bf16:
+            got = qbl::grad_x_value<__nv_bfloat16>(
+                gv, alpha[t], qbl::one_minus<__nv_bfloat16>(alpha[t]), scale, mode);
+            pq = qbl::grad_product<__nv_bfloat16>(gv, qbl::fake_quant<__nv_bfloat16>(xv, scale));
+            px = qbl::grad_product<__nv_bfloat16>(gv, xv);
+            break;
+          case DType::fp16:
+            got = qbl::grad_x_value<__half>(gv, alpha[t], qbl::one_minus<__half>(alpha[t]), scale,
+                                            mode);
+            pq = qbl::grad_product<__half>(gv, qbl::fake_quant<__half>(xv, scale));
+            px = qbl::grad_product<__half>(gv, xv);
+            break;
+        }
+        ASSERT_TRUE(bits(got) == bits(want) || (std::isnan(got) && std::isnan(want)))
+            << "grad_x at token " << t << " feature " << k << ": expected " << want << ", actual "
+            << got;
+        sq += pq;
+        sx += px;
+      }
+      float gl = 0;
+      switch (c.dtype) {
+        case DType::fp32:
+        case DType::tf32:
+          gl = qbl::grad_logit_value<float>(qbl::grad_alpha_value<float>(sq, sx), alpha[t]);
+          break;
+        case DType::bf16:
+          gl = qbl::grad_logit_value<__nv_bfloat16>(qbl::grad_alpha_value<__nv_bfloat16>(sq, sx),
+                                                    alpha[t]);
+          break;
+        case DType::fp16:
+          gl = qbl::grad_logit_value<__half>(qbl::grad_alpha_value<__half>(sq, sx), alpha[t]);
+          break;
+      }
+      const auto w = qbl_test::reference_grad_logit(c.dtype, &g[t * c.in], &d.x[t * c.in], c.in,
+                                                    alpha[t], scale);
+      if (w.nan) {
+        ASSERT_TRUE(std::isnan(gl)) << "token " << t;
+      } else if (!w.overflow) {
+        ASSERT_TRUE(w.lo <= gl && gl <= w.hi) << "grad_logit at token " << t << ": " << gl
+                                              << " outside [" << w.lo << ", " << w.hi << "]";
+      }
+    }
+  }
+}
+
+}  // namespace
