@@ -20,7 +20,36 @@
 # Time limits: QBL_SANITIZER_BINARY_S (seconds, default none) bounds each tool-binary run, and a
 # run that reaches it counts as failed; QBL_SANITIZER_DEADLINE (seconds since the epoch) stops
 # starting runs after that time, and every run not started is reported and counts as failed.
+#
+# A run that tested nothing is a failure, not a pass: the binaries run with QBL_REQUIRE_GPU=1 (a
+# GPU test fails where no GPU is usable), a run whose gtest log shows no test run, or every test
+# skipped, or no gtest summary at all, counts as failed, and so does finding no test binary at all
+# (a wrong build folder). `tests/run_sanitizers.sh --check-log LOG` applies that check to one log.
 set -euo pipefail
+
+# Prints why a gtest log (sanitizer output interleaved) shows that nothing was tested; prints
+# nothing when some test ran and was not skipped.
+empty_run_reason() {
+  local log=$1 ran skipped
+  ran=$(grep -Eo '^\[==========\] [0-9]+ tests? from [0-9]+ test suites? ran' "$log" | tail -n 1 |
+        grep -Eo '[0-9]+' | head -n 1 || true)
+  if [ -z "$ran" ]; then echo "no gtest summary in the log (did the binary start?)"; return; fi
+  if [ "$ran" -eq 0 ]; then echo "no test ran (the filter left none)"; return; fi
+  skipped=$(grep -Eo '^\[  SKIPPED \] [0-9]+ tests?, listed below' "$log" | tail -n 1 |
+            grep -Eo '[0-9]+' | head -n 1 || true)
+  skipped=${skipped:-0}
+  if [ "$skipped" -ge "$ran" ]; then echo "every test skipped ($skipped of $ran)"; fi
+}
+
+if [ "${1:-}" = --check-log ]; then
+  [ -r "${2:-}" ] || { echo "usage: $0 --check-log LOG" >&2; exit 2; }
+  why=$(empty_run_reason "$2")
+  if [ -n "$why" ]; then echo "$2: $why"; exit 1; fi
+  echo "$2: tests ran"
+  exit 0
+fi
+
+export QBL_REQUIRE_GPU=1
 # The randomized property test runs a slice of its cases here (1000 constructions under memcheck
 # would take long); its full run belongs to the plain test suite.
 export QBL_PROPERTY_CASES=${QBL_PROPERTY_CASES:-100}
@@ -28,20 +57,29 @@ build=${1:-build}
 shift || true
 tools=("$@")
 [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck initcheck synccheck)
+binaries=()
+for t in "$build"/tests/test_*; do
+  if [ ! -f "$t" ] || [ ! -x "$t" ]; then continue; fi
+  case "$(basename "$t")" in test_error|test_two_units) continue ;; esac  # no device code of their own
+  binaries+=("$t")
+done
+if [ ${#binaries[@]} -eq 0 ]; then
+  echo "FAILED: no test binary under $build/tests (wrong build folder, or not built?)" >&2
+  exit 2
+fi
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-[ -x "$sanitizer" ] || { echo "compute-sanitizer not found" >&2; exit 2; }
+[ -x "$sanitizer" ] || { echo "FAILED: compute-sanitizer not found (looked on PATH and at $sanitizer)" >&2; exit 2; }
 export QBL_GRAPH_REPLAYS=${QBL_GRAPH_REPLAYS:-200} QBL_CONCURRENCY_REPS=${QBL_CONCURRENCY_REPS:-5}
 exclude="*Huge*:*n16777219*:*OutOfMemory*:QuantBlendMath16/*.Every*${QBL_SANITIZER_EXCLUDE:+:$QBL_SANITIZER_EXCLUDE}"
 limit=()
 [ -n "${QBL_SANITIZER_BINARY_S:-}" ] && limit=(timeout "$QBL_SANITIZER_BINARY_S")
 status=0
+runs=0
 for tool in "${tools[@]}"; do
   filter="-$exclude"
   [ "$tool" = memcheck ] || filter="$filter:*Autotune*:*Determinism*"
-  for t in "$build"/tests/test_*; do
-    [ -x "$t" ] || continue
+  for t in "${binaries[@]}"; do
     name=$(basename "$t")
-    case "$name" in test_error|test_two_units) continue ;; esac  # no device code of their own
     log="$build/sanitizer-$tool-$name.log"
     start=$(date +%s)
     if [ -n "${QBL_SANITIZER_DEADLINE:-}" ] && [ "$start" -ge "$QBL_SANITIZER_DEADLINE" ]; then
@@ -51,16 +89,27 @@ for tool in "${tools[@]}"; do
     fi
     rc=0
     "${limit[@]}" "$sanitizer" --tool "$tool" --error-exitcode 97 --print-limit 20 "$t" \
-      --gtest_filter="$filter" >"$log" 2>&1 || rc=$?
+      --gtest_filter="$filter" --gtest_color=no >"$log" 2>&1 || rc=$?
+    runs=$((runs + 1))
     case $rc in
       0) result=ok ;;
       124) result="FAILED (time limit ${QBL_SANITIZER_BINARY_S} s)"; status=1 ;;
       *) result="FAILED (rc $rc)"; status=1 ;;
     esac
+    why=$(empty_run_reason "$log")
+    if [ -n "$why" ]; then
+      if [ "$rc" -eq 0 ]; then result="FAILED ($why)"; else result="$result ($why)"; fi
+      status=1
+    fi
     echo "$tool $name: $result, $(grep -Eo 'ERROR SUMMARY: [0-9]+ errors?' "$log" | tail -n 1)," \
          "$(grep -Eo '\[  PASSED  \] [0-9]+ tests?' "$log" | tail -n 1)," \
+         "$(grep -Eo '\[  SKIPPED \] [0-9]+ tests?' "$log" | tail -n 1)," \
          "$(grep -Eo '\[  FAILED  \] [0-9]+ tests?' "$log" | tail -n 1)" \
          "($(( $(date +%s) - start )) s)"
   done
 done
+if [ "$runs" -eq 0 ]; then
+  echo "FAILED: no test binary was run" >&2
+  exit 2
+fi
 exit $status

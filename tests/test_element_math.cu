@@ -8,6 +8,7 @@
 
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -17,6 +18,12 @@ using qbl_test::bits;
 
 constexpr float inf = std::numeric_limits<float>::infinity();
 const float nan = std::numeric_limits<float>::quiet_NaN();
+
+float bits_to_float(std::uint32_t u) {
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
 
 TEST(ElementMath, Inv127IsTheFloatReciprocal) {
   // eager's `amax / 127.0` multiplies by the float reciprocal of 127.
@@ -120,6 +127,62 @@ TEST(ElementMath, SigmoidEdges) {
   EXPECT_NEAR(qbl::sigmoid(1.0f), 0.7310585786f, 1e-7f);
 }
 
+// eager's sigmoid written out here, independently of qbl::sigmoid: fp32 exp, then 1 + e and 1 / d,
+// each rounded on its own (volatile temporaries: nothing contracted or kept wider). The host's
+// expf may differ in the last place from the device's, so on the host this is compared with
+// qbl::sigmoid's host build, which calls the same host expf; the device test below compares the
+// device's.
+float eager_sigmoid_host(float l) {
+  volatile float e = ::expf(-l);
+  volatile float d = 1.0f + e;
+  volatile float r = 1.0f / d;
+  return r;
+}
+
+/// Same bits, or both NaN.
+bool same_or_both_nan(float a, float b) {
+  return bits(a) == bits(b) || (std::isnan(a) && std::isnan(b));
+}
+
+TEST(ElementMath, SigmoidMatchesEagersFormulaOnTheHost) {
+  // Values that do not depend on expf's last place.
+  EXPECT_EQ(bits(qbl::sigmoid(0.0f)), 0x3f000000u);
+  EXPECT_EQ(bits(qbl::sigmoid(-0.0f)), 0x3f000000u);
+  EXPECT_EQ(bits(qbl::sigmoid(FLT_TRUE_MIN)), 0x3f000000u);  // exp(-tiny) == 1
+  EXPECT_EQ(bits(qbl::sigmoid(-FLT_TRUE_MIN)), 0x3f000000u);
+  EXPECT_EQ(bits(qbl::sigmoid(inf)), 0x3f800000u);
+  EXPECT_EQ(bits(qbl::sigmoid(FLT_MAX)), 0x3f800000u);
+  EXPECT_EQ(bits(qbl::sigmoid(17.0f)), 0x3f800000u);  // 1 + e^-17 rounds to 1
+  EXPECT_EQ(bits(qbl::sigmoid(16.0f)), 0x3f7ffffeu);  // 1 + e^-16 rounds to 1 + 2^-23
+  EXPECT_EQ(bits(qbl::sigmoid(-inf)), 0u);            // +0, not -0
+  EXPECT_EQ(bits(qbl::sigmoid(-FLT_MAX)), 0u);
+  EXPECT_EQ(bits(qbl::sigmoid(-89.0f)), 0u);  // e^89 overflows: 1 / inf
+  const float tiny = qbl::sigmoid(-88.0f);    // 1 / (1 + e^88): a denormal
+  EXPECT_GT(tiny, 0.0f) << "denormal alpha flushed";
+  EXPECT_LT(tiny, FLT_MIN);
+  EXPECT_TRUE(std::isnan(qbl::sigmoid(nan)));
+  EXPECT_TRUE(std::isnan(qbl::sigmoid(-nan)));
+  EXPECT_TRUE(std::isnan(qbl::sigmoid(bits_to_float(0x7f800001u))));  // signalling-NaN pattern
+  // Every 1021st fp32 bit pattern (all exponents, both signs, NaNs included), and every 61st
+  // logit of magnitude 2^-12 to 128, where sigmoid is neither 1/2 nor saturated.
+  std::uint64_t checked = 0;
+  const auto check = [&](std::uint32_t u) {
+    const float l = bits_to_float(u);
+    ++checked;
+    if (same_or_both_nan(qbl::sigmoid(l), eager_sigmoid_host(l))) return true;
+    ADD_FAILURE() << "logit " << l << " (0x" << std::hex << u << "): qbl 0x"
+                  << bits(qbl::sigmoid(l)) << ", eager's formula 0x" << bits(eager_sigmoid_host(l))
+                  << std::dec;
+    return false;
+  };
+  for (std::uint64_t u = 0; u < (std::uint64_t{1} << 32); u += 1021)
+    if (!check(static_cast<std::uint32_t>(u))) return;
+  for (std::uint32_t sign : {0u, 0x80000000u})
+    for (std::uint32_t u = bits(0x1p-12f); u <= bits(128.0f); u += 61)
+      if (!check(sign | u)) return;
+  EXPECT_GT(checked, 4000000u);
+}
+
 TEST(ElementMath, BlendRoundsThreeTimes) {
   // With one rounding per op the result is fl(fl(a * q) + fl(b * x)); a fused a * q + fl(b * x)
   // differs for some inputs. Find such inputs, and check blend gives the three-rounding value.
@@ -218,6 +281,51 @@ TEST(ElementMathDevice, MatchesHostBitForBit) {
   EXPECT_TRUE(qbl_test::bits_equal(q, want_q));
 }
 
+// eager's sigmoid on the device, written out here rather than taken from qbl::sigmoid: the CUDA
+// math library's expf (what eager's kernel calls), then IEEE add and divide, never contracted.
+__device__ float eager_sigmoid_device(float l) {
+  return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-l)));
+}
+
+struct SigmoidSweep {
+  unsigned long long mismatches;
+  unsigned first;  ///< the smallest mismatching logit's bits (0xffffffff: none)
+};
+
+/// qbl::sigmoid<float> against eager's formula for every one of the 2^32 fp32 logit bit patterns.
+__global__ void sigmoid_every_fp32(SigmoidSweep* r) {
+  unsigned long long bad = 0;
+  unsigned first = 0xffffffffu;
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  for (std::uint64_t u = blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x;
+       u < (std::uint64_t{1} << 32); u += stride) {
+    const float l = __uint_as_float(static_cast<unsigned>(u));
+    const float want = eager_sigmoid_device(l), got = qbl::sigmoid<float>(l);
+    if (__float_as_uint(want) != __float_as_uint(got) && !(want != want && got != got)) {
+      ++bad;
+      first = min(first, static_cast<unsigned>(u));
+    }
+  }
+  if (bad != 0) {
+    atomicAdd(&r->mismatches, bad);
+    atomicMin(&r->first, first);
+  }
+}
+
+TEST(ElementMathDevice, SigmoidEveryFp32LogitMatchesEagersFormula) {
+  QBL_REQUIRE_GPU();
+  qbl_test::DeviceArray<SigmoidSweep> d(1);
+  ASSERT_TRUE(d.ok());
+  const SigmoidSweep init{0, 0xffffffffu};
+  QBL_ASSERT_CUDA(cudaMemcpy(d.get(), &init, sizeof init, cudaMemcpyHostToDevice));
+  sigmoid_every_fp32<<<4096, 256>>>(d.get());
+  QBL_ASSERT_CUDA(cudaGetLastError());
+  SigmoidSweep r{};
+  QBL_ASSERT_CUDA(cudaMemcpy(&r, d.get(), sizeof r, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(r.mismatches, 0u) << "of 2^32 logits; the first is 0x" << std::hex << r.first << " ("
+                              << bits_to_float(r.first) << ")";
+}
+
 }  // namespace
 
 // ---- bf16 and fp16: eager rounds every fp32 op's result to the tensor dtype ------------------
@@ -261,6 +369,62 @@ TYPED_TEST(ElementMath16, RoundToMatchesAnIndependentRounding) {
   EXPECT_EQ(qbl::detail::round_to<T>(1.0f + Format<T>::half_ulp_at_one), 1.0f);
   EXPECT_EQ(qbl::detail::round_to<T>(1.0f + 3 * Format<T>::half_ulp_at_one),
             1.0f + 4 * Format<T>::half_ulp_at_one);
+}
+
+/// Every value of T (as its float), from its 16 bits.
+template <typename T>
+std::vector<float> every_value() {
+  std::vector<float> v(65536);
+  for (std::uint32_t u = 0; u < 65536; ++u) {
+    T t;
+    const auto h = static_cast<std::uint16_t>(u);
+    std::memcpy(static_cast<void*>(&t), &h, sizeof h);
+    v[u] = static_cast<float>(t);
+  }
+  return v;
+}
+
+TYPED_TEST(ElementMath16, SigmoidOfEveryLogitIsEagersFormulaRoundedOnce) {
+  using T = TypeParam;
+  for (float l : every_value<T>()) {
+    const float want = Format<T>::round(eager_sigmoid_host(l));
+    ASSERT_TRUE(same_or_both_nan(qbl::sigmoid<T>(l), want))
+        << "logit " << l << ": qbl " << qbl::sigmoid<T>(l) << ", eager's formula " << want;
+  }
+}
+
+template <typename T>
+__global__ void sigmoid_every_16(const float* logits, float* eager_fp32, float* qbl_t) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= 65536) return;
+  eager_fp32[i] = eager_sigmoid_device(logits[i]);
+  qbl_t[i] = qbl::sigmoid<T>(logits[i]);
+}
+
+// On the device, every logit of T: qbl::sigmoid<T> against eager's fp32 formula on the device,
+// rounded to T on the host by the tests' own rounding (not CUDA's conversions).
+TYPED_TEST(ElementMath16, SigmoidOfEveryLogitOnTheDeviceIsEagersFormulaRoundedOnce) {
+  QBL_REQUIRE_GPU();
+  using T = TypeParam;
+  const std::vector<float> logits = every_value<T>();
+  qbl_test::DeviceArray<float> dl(65536), de(65536), dq(65536);
+  ASSERT_TRUE(dl.ok() && de.ok() && dq.ok());
+  QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(), logits));
+  QBL_ASSERT_CUDA(cudaMemset(dq.get(), qbl_test::poison_byte, 65536 * sizeof(float)));
+  sigmoid_every_16<T><<<256, 256>>>(dl.get(), de.get(), dq.get());
+  QBL_ASSERT_CUDA(cudaGetLastError());
+  std::vector<float> eager(65536), got(65536);
+  QBL_ASSERT_CUDA(qbl_test::to_host(eager, de.get()));
+  QBL_ASSERT_CUDA(qbl_test::to_host(got, dq.get()));
+  int bad = 0;
+  for (std::size_t i = 0; i < logits.size(); ++i) {
+    const float want = Format<T>::round(eager[i]);
+    if (same_or_both_nan(got[i], want) && bits(got[i]) != 0xffffffffu) continue;
+    if (++bad <= 8)
+      ADD_FAILURE() << "logit " << logits[i] << " (0x" << std::hex << i << "): qbl 0x"
+                    << bits(got[i]) << ", eager's formula 0x" << bits(want) << std::dec;
+  }
+  EXPECT_EQ(bad, 0) << "of 65536 logits";
 }
 
 TYPED_TEST(ElementMath16, ScaleClampBoundIsTheRoundedEpsilon) {

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -15,28 +16,86 @@
 
 namespace qbl_test {
 
-/// Is a CUDA device usable? Asked only from inside a test, after gtest has started.
-inline bool gpu_available(std::string* why = nullptr) {
-  static const std::string reason = [] {
+/// What the tests found when they asked for a GPU (once per process, from inside a test, after
+/// gtest has started).
+struct GpuStatus {
+  bool usable = false;
+  /// No GPU on this machine at all -- no device, or no CUDA driver installed -- as opposed to a
+  /// GPU machine whose driver or device is broken. Only absence may be skipped over by default.
+  bool absent = false;
+  std::string reason;  ///< empty when usable; names the CUDA error otherwise
+};
+
+inline const GpuStatus& gpu_status() {
+  static const GpuStatus status = [] {
+    GpuStatus s;
     int n = 0;
     const cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
       cudaGetLastError();
-      return std::string("no usable CUDA device (cudaGetDeviceCount: ") + cudaGetErrorName(e) + ")";
+      int driver = -1;
+      const bool no_driver = cudaDriverGetVersion(&driver) == cudaSuccess && driver == 0;
+      cudaGetLastError();
+      // cudaErrorNoDevice: a driver without a device (or CUDA_VISIBLE_DEVICES hides them all).
+      // cudaErrorStubLibrary: the toolkit's libcuda stub stands in for a driver (build machines).
+      // cudaErrorInsufficientDriver with driver version 0: no driver installed at all (what a
+      // CPU-only machine returns). The same error with a real driver version is an outdated driver
+      // on a GPU machine: that, and every other error, is a broken setup and fails the test.
+      s.absent = e == cudaErrorNoDevice || e == cudaErrorStubLibrary ||
+                 (e == cudaErrorInsufficientDriver && no_driver);
+      s.reason = std::string(s.absent ? "no CUDA device here" : "CUDA device unusable") +
+                 " (cudaGetDeviceCount: " + cudaGetErrorName(e) + ", " + cudaGetErrorString(e) +
+                 "; driver version " + std::to_string(driver) + ")";
+      return s;
     }
-    return n == 0 ? std::string("no CUDA device present") : std::string();
+    if (n == 0) {
+      s.absent = true;
+      s.reason = "no CUDA device present (cudaGetDeviceCount: 0 devices)";
+      return s;
+    }
+    // A device is listed: it must also take a context, or every GPU test would fail on its own
+    // first call with a less clear message.
+    const cudaError_t c = cudaFree(nullptr);
+    if (c != cudaSuccess) {
+      cudaGetLastError();
+      s.reason = std::string("CUDA device unusable (cudaFree(0) creating the context: ") +
+                 cudaGetErrorName(c) + ", " + cudaGetErrorString(c) + ")";
+      return s;
+    }
+    s.usable = true;
+    return s;
   }();
-  if (why != nullptr) *why = reason;
-  return reason.empty();
+  return status;
+}
+
+/// Is QBL_REQUIRE_GPU=1 set? Then a GPU test fails, not skips, where no GPU is usable: on a GPU
+/// machine (tools/gpu_check.sh, tests/run_sanitizers.sh) a suite that skipped everything must not
+/// read as passed.
+inline bool gpu_required() {
+  const char* v = std::getenv("QBL_REQUIRE_GPU");
+  return v != nullptr && std::string(v) == "1";
+}
+
+/// Is a CUDA device usable? `why` gets the reason when not.
+inline bool gpu_available(std::string* why = nullptr) {
+  const GpuStatus& s = gpu_status();
+  if (why != nullptr) *why = s.reason;
+  return s.usable;
 }
 
 }  // namespace qbl_test
 
-/// Skips the current test, with the reason, on a machine without a usable GPU.
-#define QBL_REQUIRE_GPU()                                      \
-  do {                                                         \
-    std::string qbl_why_;                                      \
-    if (!::qbl_test::gpu_available(&qbl_why_)) GTEST_SKIP() << qbl_why_; \
+/// The first line of every GPU test. Without a usable GPU the test is skipped, with the reason --
+/// but it fails instead where the machine has a GPU that CUDA cannot use (broken or outdated
+/// driver, device unavailable), or where QBL_REQUIRE_GPU=1 says a GPU must be there.
+#define QBL_REQUIRE_GPU()                                                                   \
+  do {                                                                                      \
+    const ::qbl_test::GpuStatus& qbl_gpu_ = ::qbl_test::gpu_status();                       \
+    if (qbl_gpu_.usable) break;                                                             \
+    if (::qbl_test::gpu_required())                                                         \
+      GTEST_FAIL() << qbl_gpu_.reason << " -- and QBL_REQUIRE_GPU=1 requires a usable GPU"; \
+    if (!qbl_gpu_.absent) GTEST_FAIL() << qbl_gpu_.reason;                                  \
+    GTEST_SKIP() << qbl_gpu_.reason;                                                        \
   } while (0)
 
 #define QBL_ASSERT_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call

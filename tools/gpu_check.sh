@@ -8,6 +8,8 @@
 # Environment: LOGDIR (default build-gpu/logs), BUILD (default build-gpu), JOBS (default nproc),
 # COMPARE_ARGS / BENCH_ARGS (extra arguments), and per-stage limits in seconds:
 # TEST_S (900), SANITIZE_S (900), COMPARE_S (900), BENCH_S (900).
+# The test and sanitize stages run with QBL_REQUIRE_GPU=1: a GPU test fails, not skips, where no
+# GPU is usable, so a broken machine cannot report everything passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-gpu}
@@ -37,7 +39,8 @@ fi
 
 if has test; then
   t=$(date +%s)
-  timeout "${TEST_S:-900}" ctest --test-dir "$BUILD" -j"${TEST_JOBS:-6}" --output-on-failure \
+  QBL_REQUIRE_GPU=1 timeout "${TEST_S:-900}" ctest --test-dir "$BUILD" -j"${TEST_JOBS:-6}" \
+    --output-on-failure \
     --timeout 600 >"$LOGDIR/ctest.log" 2>&1
   rc=$?
   note "ctest (rc $rc, $(secs $t) s): $(grep -E 'tests passed|tests failed' "$LOGDIR/ctest.log" | tail -n 1)"
@@ -47,7 +50,7 @@ fi
 
 if has sanitize; then
   t=$(date +%s)
-  timeout "${SANITIZE_S:-900}" tests/run_sanitizers.sh "$BUILD" >"$LOGDIR/sanitize.log" 2>&1
+  QBL_REQUIRE_GPU=1 timeout "${SANITIZE_S:-900}" tests/run_sanitizers.sh "$BUILD" >"$LOGDIR/sanitize.log" 2>&1
   rc=$?
   cp "$BUILD"/sanitizer-*.log "$LOGDIR"/ 2>/dev/null
   note "sanitizers (rc $rc, $(secs $t) s):"

@@ -1,0 +1,210 @@
+#!/usr/bin/env bash
+# Plants one plausible bug at a time in a scratch copy of the repository and reports whether the
+# test suite catches it (some test fails). A mutant that survives is a guarantee without a test
+# that can fail.
+#
+#   tools/mutation_check.sh [--gpu] [--list] [mutant ...]      (default: every mutant)
+#
+# CPU mode (default): builds only the test binaries that test something without a GPU and runs
+# them (their GPU tests skip); mutants of device-only code are listed as not run. --gpu (on a GPU
+# machine): builds everything and runs the whole ctest with QBL_REQUIRE_GPU=1, for every mutant.
+#
+# The scratch copy holds the working tree's tracked files and its untracked, not ignored ones
+# (git ls-files --cached --others --exclude-standard), as they are now, edits included; the
+# repository itself is never touched. The script stops if the unmutated copy does not pass, or if
+# a mutant's pattern no longer matches its file (the code moved on: update the mutant).
+#
+# Environment: SCRATCH (default: a new temporary folder, removed at the end unless KEEP=1),
+# JOBS (default: nproc), CUDA_ARCHS (default 90), CPU_TESTS (the CPU mode's binaries),
+# CTEST_ARGS (extra ctest arguments in --gpu mode, e.g. "-E Huge"), MUTANT_S (time limit per
+# mutant's test run in seconds, default 1800).
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+mode=cpu
+list_only=0
+wanted=()
+for a in "$@"; do
+  case "$a" in
+    --gpu) mode=gpu ;;
+    --list) list_only=1 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -*) echo "unknown option $a" >&2; exit 2 ;;
+    *) wanted+=("$a") ;;
+  esac
+done
+JOBS=${JOBS:-$(nproc)}
+CPU_TESTS=${CPU_TESTS:-"test_element_math test_quant_blend_math test_quant_blend_backward test_quant_blend_linear_properties test_quant_blend_linear_backward"}
+
+# ---- the mutants --------------------------------------------------------------------------
+# name | where the code runs (host: also on the CPU, so CPU tests can catch it; device: only in
+# kernels) | what it plants. Each m_<name> edits the scratch copy's include/ through
+# subst FILE OLD NEW, a single-line sed replacement that must match.
+mutants=(
+  "round_half_away|host|round_half_even rounds half away from zero (roundf / std::round)"
+  "abs_bits_drops_nan|host|abs_bits maps NaN to 0, so a max over it drops NaN like fmaxf"
+  "amax_fmaxf|device|the amax kernel's max is fmaxf over floats (drops NaN)"
+  "sigmoid_tanh|host|sigmoid = 0.5 + 0.5 * tanhf(0.5 * l)"
+  "fake_quant_no_clamp|host|fake_quant without the clamp to [-127, 127]"
+  "blend_fma|host|blend contracts alpha * x_q + (...) into fmaf"
+  "scale_divides|host|scale = amax / 127 instead of amax * fl(1/127)"
+  "one_minus_unrounded|host|1 - alpha not rounded to T"
+  "grad_x_alpha|host|grad_x multiplies g by alpha instead of 1 - alpha"
+  "grad_x_no_zero_term|host|grad_x drops the + 0/scale term (QuantGrad::zero)"
+)
+
+em=include/qbl/element_math.cuh
+m_round_half_away() {
+  subst $em 'return rintf(v);' 'return roundf(v);'
+  subst $em 'return std::nearbyint(v);' 'return std::round(v);'
+}
+m_abs_bits_drops_nan() {
+  subst $em 'abs_bits(float v) { return detail::float_bits(v) & 0x7fffffffu; }' \
+            'abs_bits(float v) { return v != v ? 0u : detail::float_bits(v) \& 0x7fffffffu; }'
+}
+m_amax_fmaxf() {
+  subst include/qbl/detail/amax.inl 'm = max(m, abs_bits_of(v.v\[j\]));' \
+        'm = abs_bits(fmaxf(from_abs_bits(m), from_abs_bits(abs_bits_of(v.v[j]))));'
+  subst include/qbl/detail/amax.inl 'm = max(m, abs_bits_of(x\[idx\]));' \
+        'm = abs_bits(fmaxf(from_abs_bits(m), from_abs_bits(abs_bits_of(x[idx]))));'
+}
+m_sigmoid_tanh() {
+  subst $em 'detail::div_rn(1.0f, detail::add_rn(1.0f, expf(-l)))' '0.5f + 0.5f * tanhf(0.5f * l)'
+}
+m_fake_quant_no_clamp() {
+  subst $em 'detail::round_half_even(detail::round_to<T>(detail::div_rn(x, scale))), -qmax, qmax);' \
+            'detail::round_half_even(detail::round_to<T>(detail::div_rn(x, scale))), -HUGE_VALF, HUGE_VALF);'
+}
+m_blend_fma() {
+  subst $em 'detail::add_rn(detail::round_to<T>(detail::mul_rn(alpha, x_q)),' 'fmaf(alpha, x_q,'
+}
+m_scale_divides() {
+  subst $em 'detail::mul_rn(clamped, inv_127)' 'detail::div_rn(clamped, qmax)'
+}
+m_one_minus_unrounded() {
+  subst $em 'return detail::round_to<T>(detail::sub_rn(1.0f, alpha));' 'return detail::sub_rn(1.0f, alpha);'
+}
+m_grad_x_alpha() {
+  subst $em 'const float direct = round_to<T>(mul_rn(g, one_minus_alpha));' \
+            'const float direct = round_to<T>(mul_rn(g, alpha));'
+}
+m_grad_x_no_zero_term() {
+  subst $em 'return round_to<T>(add_rn(other, direct));' \
+            'return mode == QuantGrad::straight_through ? round_to<T>(add_rn(other, direct)) : direct;'
+}
+
+table() { awk -F'|' '{ printf "%-20s %-6s %s\n", $1, $2, $3; if (NF > 3) printf "%28s%s\n", "", $4 }'; }
+if [ $list_only = 1 ]; then printf '%s\n' "${mutants[@]}" | table; exit 0; fi
+
+# ---- scratch copy and build -----------------------------------------------------------------
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
+scratch=${SCRATCH:-$(mktemp -d "${TMPDIR:-/tmp}/qbl-mutants.XXXXXX")}
+[ -n "${SCRATCH:-}" ] || [ "${KEEP:-0}" = 1 ] || trap 'rm -rf "$scratch"' EXIT
+src=$scratch/src
+build=$scratch/build
+logs=$scratch/logs
+mkdir -p "$src" "$logs"
+( cd "$repo" && git ls-files -z --cached --others --exclude-standard |
+    while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done |
+    tar --null -T - -cf - ) | tar -xf - -C "$src"
+echo "scratch copy: $src ($(find "$src" -type f | wc -l) files), logs: $logs, mode: $mode"
+
+# subst FILE OLD NEW: OLD is a sed pattern (basic regex; the callers escape [ ] and &).
+subst() {
+  local f=$src/$1
+  grep -q -- "$2" "$f" || { echo "mutant pattern not found in $1: $2" >&2; return 1; }
+  sed -i "s|$2|$3|g" "$f"
+}
+
+gen=()
+command -v ninja >/dev/null && gen=(-G Ninja)
+cmake -S "$src" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" -DQBL_BUILD_EXAMPLES=OFF \
+  -DQBL_BUILD_BENCHMARKS=OFF >"$logs/configure.log" 2>&1 ||
+  { echo "configure failed: $logs/configure.log" >&2; exit 1; }
+
+cpu_targets=()
+if [ $mode = cpu ]; then
+  for t in $CPU_TESTS; do
+    grep -q "qbl_add_test($t " "$src/tests/CMakeLists.txt" && cpu_targets+=("$t")
+  done
+  echo "CPU test binaries: ${cpu_targets[*]}"
+fi
+
+build_all() {  # log
+  if [ $mode = cpu ]; then
+    cmake --build "$build" -j"$JOBS" --target "${cpu_targets[@]}" >"$1" 2>&1
+  else
+    cmake --build "$build" -j"$JOBS" >"$1" 2>&1
+  fi
+}
+
+# Runs the tests; prints the first failing tests' names; returns non-zero when some test failed.
+run_tests() {  # log
+  local log=$1 rc=0 t
+  : >"$log"
+  if [ $mode = cpu ]; then
+    for t in "${cpu_targets[@]}"; do
+      env -u QBL_REQUIRE_GPU timeout "${MUTANT_S:-1800}" "$build/tests/$t" --gtest_color=no \
+        >>"$log" 2>&1 || rc=1
+    done
+  else
+    # shellcheck disable=SC2086
+    QBL_REQUIRE_GPU=1 timeout "${MUTANT_S:-1800}" ctest --test-dir "$build" -j"${TEST_JOBS:-4}" \
+      --timeout 900 -LE package --stop-on-failure ${CTEST_ARGS:-} >"$log" 2>&1 || rc=1
+  fi
+  return $rc
+}
+
+# "N failing: A, B, ..." -- the count and the first two names, from gtest's or ctest's summary.
+failing_tests() {  # log
+  local names n
+  names=$({ grep -Eo '^\[  FAILED  \] [A-Za-z_][^ ,]*' "$1" | awk '{print $NF}'
+            grep -Eo '[0-9]+ - [^ ]+ \((Failed|Timeout|Exception|SEGFAULT|Subprocess aborted)\)' "$1" |
+              awk '{print $3}'; } | sort -u)
+  n=$(printf '%s\n' "$names" | grep -c . || true)
+  echo "$n failing: $(printf '%s\n' "$names" | head -n 2 | paste -sd, - | sed 's/,/, /g')$([ "$n" -gt 2 ] && echo ", ...")"
+}
+
+t0=$(date +%s)
+echo "baseline (no mutant): building ..."
+build_all "$logs/baseline-build.log" || { echo "baseline build failed: $logs/baseline-build.log" >&2; exit 1; }
+if ! run_tests "$logs/baseline-test.log"; then
+  echo "baseline FAILS ($(failing_tests "$logs/baseline-test.log")): fix that first; $logs/baseline-test.log" >&2
+  exit 1
+fi
+echo "baseline passes ($(( $(date +%s) - t0 )) s)"
+
+results=()
+survivors=0
+for entry in "${mutants[@]}"; do
+  IFS='|' read -r name where what <<<"$entry"
+  if [ ${#wanted[@]} -gt 0 ] && ! printf '%s\n' "${wanted[@]}" | grep -qx "$name"; then continue; fi
+  if [ $mode = cpu ] && [ "$where" = device ]; then
+    results+=("$name|$where|not run (device code: --gpu)|$what")
+    continue
+  fi
+  start=$(date +%s)
+  rm -rf "$scratch/include.orig" && cp -r "$src/include" "$scratch/include.orig"
+  if ! "m_$name"; then
+    results+=("$name|$where|PATTERN NOT FOUND|$what")
+    survivors=$((survivors + 1))
+  elif ! build_all "$logs/$name-build.log"; then
+    results+=("$name|$where|BUILD FAILED ($logs/$name-build.log)|$what")
+    survivors=$((survivors + 1))
+  elif run_tests "$logs/$name-test.log"; then
+    results+=("$name|$where|SURVIVED ($(( $(date +%s) - start )) s)|$what")
+    survivors=$((survivors + 1))
+  else
+    results+=("$name|$where|caught, $(failing_tests "$logs/$name-test.log") ($(( $(date +%s) - start )) s)|$what")
+  fi
+  # Restore with a new time stamp, so that the next build recompiles what the mutant touched.
+  (cd "$scratch/include.orig" && find . -type f) | while read -r f; do
+    cmp -s "$scratch/include.orig/$f" "$src/include/$f" || cat "$scratch/include.orig/$f" >"$src/include/$f"
+  done
+  echo "${results[-1]}"
+done
+
+echo
+echo "==== mutants ($mode mode, $(( $(date +%s) - t0 )) s)"
+{ echo "mutant|code|result|bug"; printf '%s\n' "${results[@]}"; } | table
+[ "$survivors" -eq 0 ]
