@@ -7,11 +7,88 @@
 #include <qbl/quant_blend_backward.cuh>
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 namespace qbl::detail {
 
 inline constexpr int backward_block_threads = 256;
 inline constexpr int backward_rows_per_block = backward_block_threads / 32;  // a warp per row
+
+/// The backward's vector arithmetic for element type T and width N, given one row's gate and the
+/// launch's scale: `sums` adds a vector's RN_T(g * x_q) and RN_T(g * x) to the two fp32 sums in
+/// element order, `grad_x` is grad_x_from for each element. The general case runs
+/// qbl/element_math.cuh element by element (with the division-free code of
+/// fake_quant_from_reciprocal).
+template <typename T, int N, typename Enable = void>
+struct QuantBlendGradMath {
+  float scale, y, alpha, one_minus_alpha, zero_grad;
+  QuantGrad mode;
+  __device__ __forceinline__ QuantBlendGradMath(float s, float a, float oma, QuantGrad m)
+      : scale(s), y(code_reciprocal(s)), alpha(a), one_minus_alpha(oma),
+        zero_grad(zero_quant_grad(s)), mode(m) {}
+  __device__ __forceinline__ void sums(const Vec<T, N>& g, const Vec<T, N>& x, float& sum_q,
+                                       float& sum_x) const {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float gj = to_float(g.v[j]), xj = to_float(x.v[j]);
+      sum_q = add_rn(sum_q, grad_product<T>(gj, fake_quant_from_reciprocal<T>(xj, scale, y)));
+      sum_x = add_rn(sum_x, grad_product<T>(gj, xj));
+    }
+  }
+  __device__ __forceinline__ Vec<T, N> grad_x(const Vec<T, N>& g) const {
+    Vec<T, N> out;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      out.v[j] = from_float<T>(grad_x_from<T>(to_float(g.v[j]), alpha, one_minus_alpha, zero_grad, mode));
+    return out;
+  }
+};
+
+/// bf16 / fp16 vectors of an even width: the forward's codes (QuantBlendMath::codes), then every
+/// product and sum on packed pairs with one rounding each -- eager's fp32-then-round bits for T
+/// operands (the forward's argument; test_quant_blend_math checks all 2^32 operand pairs of the
+/// packed product and sum) -- and the fp32 sums from the exact widened products, in element order.
+template <typename T, int N>
+struct QuantBlendGradMath<T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && sizeof(T) == 2)>> {
+  using P = Pair<T>;
+  using T2 = typename P::type;
+  static constexpr int pairs = N / 2;
+  QuantBlendMath<T, N> forward;
+  T2 alpha2, one_minus_alpha2, zero_grad2;
+  QuantGrad mode;
+  __device__ __forceinline__ QuantBlendGradMath(float s, float a, float oma, QuantGrad m)
+      : alpha2(P::broadcast(a)), one_minus_alpha2(P::broadcast(oma)),
+        zero_grad2(P::broadcast(zero_quant_grad(s))), mode(m) {
+    forward.set_scale(s);
+  }
+  __device__ __forceinline__ void sums(const Vec<T, N>& g, const Vec<T, N>& x, float& sum_q,
+                                       float& sum_x) const {
+    T2 code[pairs], g2[pairs], x2[pairs];
+    forward.codes(x, code);
+    std::memcpy(g2, &g, sizeof g2);
+    std::memcpy(x2, &x, sizeof x2);
+#pragma unroll
+    for (int p = 0; p < pairs; ++p) {
+      const float2 q = P::to_float2(P::mul(g2[p], P::mul(code[p], forward.scale2)));
+      const float2 v = P::to_float2(P::mul(g2[p], x2[p]));
+      sum_q = add_rn(add_rn(sum_q, q.x), q.y);
+      sum_x = add_rn(add_rn(sum_x, v.x), v.y);
+    }
+  }
+  __device__ __forceinline__ Vec<T, N> grad_x(const Vec<T, N>& g) const {
+    T2 g2[pairs], r[pairs];
+    std::memcpy(g2, &g, sizeof g2);
+#pragma unroll
+    for (int p = 0; p < pairs; ++p) {
+      const T2 direct = P::mul(g2[p], one_minus_alpha2);
+      r[p] = P::add(mode == QuantGrad::straight_through ? P::mul(g2[p], alpha2) : zero_grad2, direct);
+    }
+    Vec<T, N> out;
+    std::memcpy(&out, r, sizeof out);
+    return out;
+  }
+};
 
 /// One warp per token row: each lane takes every 32nd vector of the row, computes grad_x for it
 /// and its share of the two sums, and the warp adds the shares in a fixed butterfly order, so the
@@ -27,34 +104,24 @@ QBL_KERNEL void __launch_bounds__(backward_block_threads)
                            threadIdx.x / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (row >= tokens) return;
-  const float scale = *scale_in;
-  const float alpha = sigmoid<T>(to_float(logits[row]));
-  const float one_minus_alpha = one_minus<T>(alpha);
-  const float zero_grad = zero_quant_grad(scale);
-  const float y = code_reciprocal(scale);
   const std::int64_t cols = features / N;
-  const auto* gv = reinterpret_cast<const Vec<T, N>*>(g_mixed + row * features);
-  const auto* xv = reinterpret_cast<const Vec<T, N>*>(x + row * features);
-  auto* dv = reinterpret_cast<Vec<T, N>*>(grad_x + row * features);
+  const auto* gv = reinterpret_cast<const Vec<T, N>*>(g_mixed) + row * cols;
+  // Issue the first loads before the gate's exp and the scale's reciprocal.
+  Vec<T, N> g_first, x_first;
+  if (lane < cols) {
+    g_first = gv[lane];
+    if (grad_logits != nullptr) x_first = reinterpret_cast<const Vec<T, N>*>(x)[row * cols + lane];
+  }
+  const float alpha = sigmoid<T>(to_float(logits[row]));
+  const QuantBlendGradMath<T, N> math(*scale_in, alpha, one_minus<T>(alpha), mode);
   float sum_q = 0.0f, sum_x = 0.0f;
   for (std::int64_t c = lane; c < cols; c += 32) {
-    const Vec<T, N> g = gv[c];
+    const Vec<T, N> g = c == lane ? g_first : gv[c];
     if (grad_logits != nullptr) {
-      const Vec<T, N> xin = xv[c];
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const float gj = to_float(g.v[j]), xj = to_float(xin.v[j]);
-        sum_q = add_rn(sum_q, grad_product<T>(gj, fake_quant_from_reciprocal<T>(xj, scale, y)));
-        sum_x = add_rn(sum_x, grad_product<T>(gj, xj));
-      }
+      math.sums(g, c == lane ? x_first : reinterpret_cast<const Vec<T, N>*>(x)[row * cols + c],
+                sum_q, sum_x);
     }
-    if (grad_x != nullptr) {
-      Vec<T, N> out;
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-        out.v[j] = from_float<T>(grad_x_from<T>(to_float(g.v[j]), alpha, one_minus_alpha, zero_grad, mode));
-      dv[c] = out;
-    }
+    if (grad_x != nullptr) reinterpret_cast<Vec<T, N>*>(grad_x)[row * cols + c] = math.grad_x(g);
   }
   if (grad_logits == nullptr) return;
 #pragma unroll
