@@ -195,7 +195,10 @@ struct BwdBuffers {
   /// Poisons every gradient output; accumulating, a wanted weight and bias get old values.
   cudaError_t poison(const BwdData& d) {
     cudaError_t e = cudaSuccess;
-    for (auto* a : {&gx, &gl, &gw, &gb})
+    // The probe's target too: its dgrad output is read back by the element kernel, and
+    // compute-sanitizer's initcheck does not count the bf16/fp16 cuBLASLt kernels' writes as
+    // initializing (it flagged that read when the buffer was fresh).
+    for (auto* a : {&gx, &gl, &gw, &gb, &probe})
       if (e == cudaSuccess)
         e = cudaMemset(a->get(), qbl_test::poison_byte, (a->size() + 16 / sizeof(T)) * sizeof(T));
     if (c.accumulate && (c.want & want_weight) && e == cudaSuccess)

@@ -87,6 +87,11 @@ QuantBlendLinear<T>::QuantBlendLinear(std::int64_t in_features, std::int64_t out
   }
   // Zero the statistics and wait for it: a forward on any stream must never race this memset.
   QBL_CUDA_TRY(cudaMemsetAsync(stats_.get(), 0, stats_bytes, nullptr));
+  // The backward's scratch too, once: every backward writes what it reads of them, but
+  // compute-sanitizer's initcheck does not see the writes of cuBLASLt's bf16/fp16 kernels, and
+  // would report the element kernel's reads of a fresh g_mixed scratch that dgrad filled.
+  for (detail::device_buffer* b : {&g_mixed_, &bias_scratch_, &side_workspace_})
+    if (b->get() != nullptr) QBL_CUDA_TRY(cudaMemsetAsync(b->get(), 0, b->bytes(), nullptr));
   QBL_CUDA_TRY(cudaStreamSynchronize(nullptr));
 }
 
