@@ -11,13 +11,13 @@
 #include <random>
 #include <vector>
 
-#define CHECK_CUDA(call)                                                               \
-  do {                                                                                 \
-    const cudaError_t e_ = (call);                                                     \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(e_));          \
-      std::exit(1);                                                                    \
-    }                                                                                  \
+#define CHECK_CUDA(call)                                                      \
+  do {                                                                        \
+    const cudaError_t e_ = (call);                                            \
+    if (e_ != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                           \
+    }                                                                         \
   } while (0)
 
 // alpha on the device, so that the CPU reference uses the same expf as the kernels (and eager).
@@ -74,7 +74,8 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaStreamSynchronize(stream));
 
     // CPU reference: mixed exactly as eager computes it, the product in double.
-    sigmoid_kernel<<<static_cast<unsigned>((tokens + 255) / 256), 256>>>(dl, dalpha, static_cast<int>(tokens));
+    sigmoid_kernel<<<static_cast<unsigned>((tokens + 255) / 256), 256>>>(dl, dalpha,
+                                                                         static_cast<int>(tokens));
     std::vector<float> alpha(tokens), got(tokens * out), mixed(tokens * in);
     CHECK_CUDA(cudaMemcpy(alpha.data(), dalpha, tokens * sizeof(float), cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(got.data(), dout, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
@@ -93,7 +94,8 @@ int main(int argc, char** argv) {
       }
       for (std::int64_t o = 0; o < out; ++o) {
         double s = b[o];
-        for (std::int64_t i = 0; i < in; ++i) s += static_cast<double>(ref_mixed[i]) * w[o * in + i];
+        for (std::int64_t i = 0; i < in; ++i)
+          s += static_cast<double>(ref_mixed[i]) * w[o * in + i];
         const double d = got[t * out + o] - s;
         num += d * d;
         den += s * s;

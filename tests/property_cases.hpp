@@ -16,21 +16,41 @@
 namespace qbl_test {
 
 /// Non-finite and edge inputs a case may carry.
-enum class Special { none, nan_x, pos_inf_x, neg_inf_x, nan_logit, inf_logits, zero_x, neg_zero_x,
-                     denormal_x, sprinkled_zeros };
+enum class Special {
+  none,
+  nan_x,
+  pos_inf_x,
+  neg_inf_x,
+  nan_logit,
+  inf_logits,
+  zero_x,
+  neg_zero_x,
+  denormal_x,
+  sprinkled_zeros
+};
 
 inline const char* special_name(Special s) {
   switch (s) {
-    case Special::none: return "none";
-    case Special::nan_x: return "nan_x";
-    case Special::pos_inf_x: return "pos_inf_x";
-    case Special::neg_inf_x: return "neg_inf_x";
-    case Special::nan_logit: return "nan_logit";
-    case Special::inf_logits: return "inf_logits";
-    case Special::zero_x: return "zero_x";
-    case Special::neg_zero_x: return "neg_zero_x";
-    case Special::denormal_x: return "denormal_x";
-    case Special::sprinkled_zeros: return "sprinkled_zeros";
+    case Special::none:
+      return "none";
+    case Special::nan_x:
+      return "nan_x";
+    case Special::pos_inf_x:
+      return "pos_inf_x";
+    case Special::neg_inf_x:
+      return "neg_inf_x";
+    case Special::nan_logit:
+      return "nan_logit";
+    case Special::inf_logits:
+      return "inf_logits";
+    case Special::zero_x:
+      return "zero_x";
+    case Special::neg_zero_x:
+      return "neg_zero_x";
+    case Special::denormal_x:
+      return "denormal_x";
+    case Special::sprinkled_zeros:
+      return "sprinkled_zeros";
   }
   return "?";
 }
@@ -61,7 +81,8 @@ inline PropertyCase make_property_case(std::uint64_t seed, int index) {
     return std::exp(std::uniform_real_distribution<double>(std::log(lo), std::log(hi))(gen));
   };
   PropertyCase c;
-  const DType types[] = {DType::fp32, DType::fp32, DType::tf32, DType::bf16, DType::bf16, DType::fp16};
+  const DType types[] = {DType::fp32, DType::fp32, DType::tf32,
+                         DType::bf16, DType::bf16, DType::fp16};
   c.dtype = types[gen() % 6];
   // Sizes spread log-uniformly; the CPU reference's product is kept under 2^22 multiply-adds.
   do {
@@ -69,15 +90,16 @@ inline PropertyCase make_property_case(std::uint64_t seed, int index) {
     c.in = static_cast<std::int64_t>(log_uniform(1, 2049));
     c.out = static_cast<std::int64_t>(log_uniform(1, 513));
   } while (c.tokens * c.in * c.out > (std::int64_t{1} << 22));
-  c.max_tokens = c.tokens + static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(c.tokens + 1));
+  c.max_tokens =
+      c.tokens + static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(c.tokens + 1));
   const std::size_t offsets[] = {0, 0, 0, 1, 2, 3, 4, 8};
   c.x_offset = offsets[gen() % 8];
   c.gemm_offset = offsets[gen() % 8];
   c.bias = gen() % 4 != 0;
   c.x_std = static_cast<float>(log_uniform(1e-3, c.dtype == DType::fp16 ? 30.0 : 1e3));
   const unsigned roll = static_cast<unsigned>(gen() % 100);
-  const Special specials[] = {Special::nan_x,  Special::pos_inf_x,  Special::neg_inf_x,
-                              Special::nan_logit, Special::inf_logits, Special::zero_x,
+  const Special specials[] = {Special::nan_x,      Special::pos_inf_x,  Special::neg_inf_x,
+                              Special::nan_logit,  Special::inf_logits, Special::zero_x,
                               Special::neg_zero_x, Special::denormal_x, Special::sprinkled_zeros};
   c.special = roll < 82 ? Special::none : specials[(roll - 82) % 9];
   c.data_seed = gen();
@@ -106,17 +128,30 @@ inline PropertyData make_property_data(const PropertyCase& c) {
   const auto pick = [&](std::size_t n) { return static_cast<std::size_t>(gen() % n); };
   const float inf = std::numeric_limits<float>::infinity();
   switch (c.special) {
-    case Special::none: break;
-    case Special::nan_x: d.x[pick(d.x.size())] = std::numeric_limits<float>::quiet_NaN(); break;
-    case Special::pos_inf_x: d.x[pick(d.x.size())] = inf; break;
-    case Special::neg_inf_x: d.x[pick(d.x.size())] = -inf; break;
-    case Special::nan_logit: d.logits[pick(d.logits.size())] = std::numeric_limits<float>::quiet_NaN(); break;
+    case Special::none:
+      break;
+    case Special::nan_x:
+      d.x[pick(d.x.size())] = std::numeric_limits<float>::quiet_NaN();
+      break;
+    case Special::pos_inf_x:
+      d.x[pick(d.x.size())] = inf;
+      break;
+    case Special::neg_inf_x:
+      d.x[pick(d.x.size())] = -inf;
+      break;
+    case Special::nan_logit:
+      d.logits[pick(d.logits.size())] = std::numeric_limits<float>::quiet_NaN();
+      break;
     case Special::inf_logits:
       d.logits[pick(d.logits.size())] = inf;
       d.logits[pick(d.logits.size())] = -inf;
       break;
-    case Special::zero_x: std::fill(d.x.begin(), d.x.end(), 0.0f); break;
-    case Special::neg_zero_x: std::fill(d.x.begin(), d.x.end(), -0.0f); break;
+    case Special::zero_x:
+      std::fill(d.x.begin(), d.x.end(), 0.0f);
+      break;
+    case Special::neg_zero_x:
+      std::fill(d.x.begin(), d.x.end(), -0.0f);
+      break;
     case Special::denormal_x:
       // Below the smallest normal of every dtype here (fp16's is 6.1e-5), and kept apart from the
       // fp32 denormals' lower end so that most stay non-zero when rounded to the dtype.

@@ -10,5 +10,6 @@
 template class qbl::QuantBlendLinear<float>;
 template class qbl::QuantBlendLinear<__nv_bfloat16>;
 template class qbl::QuantBlendLinear<__half>;
-template cudaError_t qbl::amax<__nv_bfloat16>(const __nv_bfloat16*, std::int64_t, float*, cudaStream_t);
+template cudaError_t qbl::amax<__nv_bfloat16>(const __nv_bfloat16*, std::int64_t, float*,
+                                              cudaStream_t);
 template cudaError_t qbl::amax<__half>(const __half*, std::int64_t, float*, cudaStream_t);

@@ -30,12 +30,18 @@ enum class Special { none, nan, pos_inf, neg_inf, neg_zero_only, largest_negativ
 
 std::string special_name(Special s) {
   switch (s) {
-    case Special::none: return "random";
-    case Special::nan: return "nan";
-    case Special::pos_inf: return "posinf";
-    case Special::neg_inf: return "neginf";
-    case Special::neg_zero_only: return "negzero";
-    case Special::largest_negative: return "largestnegative";
+    case Special::none:
+      return "random";
+    case Special::nan:
+      return "nan";
+    case Special::pos_inf:
+      return "posinf";
+    case Special::neg_inf:
+      return "neginf";
+    case Special::neg_zero_only:
+      return "negzero";
+    case Special::largest_negative:
+      return "largestnegative";
   }
   return "?";
 }
@@ -61,14 +67,23 @@ TEST_P(AmaxDevice, MatchesCpu) {
   std::mt19937_64 gen(seed);
   const std::size_t where = offset + gen() % static_cast<std::size_t>(n);
   switch (special) {
-    case Special::none: break;
-    case Special::nan: h[where] = std::numeric_limits<float>::quiet_NaN(); break;
-    case Special::pos_inf: h[where] = std::numeric_limits<float>::infinity(); break;
-    case Special::neg_inf: h[where] = -std::numeric_limits<float>::infinity(); break;
+    case Special::none:
+      break;
+    case Special::nan:
+      h[where] = std::numeric_limits<float>::quiet_NaN();
+      break;
+    case Special::pos_inf:
+      h[where] = std::numeric_limits<float>::infinity();
+      break;
+    case Special::neg_inf:
+      h[where] = -std::numeric_limits<float>::infinity();
+      break;
     case Special::neg_zero_only:
       for (auto& v : h) v = -0.0f;
       break;
-    case Special::largest_negative: h[where] = -1e6f; break;
+    case Special::largest_negative:
+      h[where] = -1e6f;
+      break;
   }
   qbl_test::DeviceArray<float> dx(h.size()), damax(1);
   ASSERT_TRUE(dx.ok() && damax.ok());

@@ -46,8 +46,8 @@ TEST(ElementMath, ScaleFromAmaxClampsAndKeepsNaN) {
 }
 
 TEST(ElementMath, AbsBitsOrderIsAbsOrderWithNaNOnTop) {
-  const std::vector<float> ascending = {0.0f, FLT_TRUE_MIN, FLT_MIN, 1e-8f, 0.5f, 1.0f, 127.0f,
-                                        FLT_MAX, inf};
+  const std::vector<float> ascending = {0.0f, FLT_TRUE_MIN, FLT_MIN, 1e-8f, 0.5f,
+                                        1.0f, 127.0f,       FLT_MAX, inf};
   for (std::size_t i = 1; i < ascending.size(); ++i) {
     EXPECT_LT(qbl::abs_bits(ascending[i - 1]), qbl::abs_bits(ascending[i]));
     EXPECT_EQ(qbl::abs_bits(ascending[i]), qbl::abs_bits(-ascending[i]));
@@ -68,7 +68,7 @@ TEST(ElementMath, ClampKeepsNaN) {
 }
 
 TEST(ElementMath, FakeQuantRoundsHalfToEven) {
-  const float scale = 0.5f;  // x / scale exact: 2x
+  const float scale = 0.5f;                          // x / scale exact: 2x
   EXPECT_EQ(qbl::fake_quant(1.25f, scale), 1.0f);    // 2.5 -> 2
   EXPECT_EQ(qbl::fake_quant(1.75f, scale), 2.0f);    // 3.5 -> 4
   EXPECT_EQ(qbl::fake_quant(-1.25f, scale), -1.0f);  // -2.5 -> -2
@@ -268,7 +268,8 @@ TEST(ElementMathDevice, MatchesHostBitForBit) {
   QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(), x));
   QBL_ASSERT_CUDA(qbl_test::to_device(da.get(), alpha));
   QBL_ASSERT_CUDA(qbl_test::to_device(dm.get(), amax));
-  device_element_math<<<(n + 255) / 256, 256>>>(dx.get(), da.get(), dm.get(), dq.get(), ds.get(), n);
+  device_element_math<<<(n + 255) / 256, 256>>>(dx.get(), da.get(), dm.get(), dq.get(), ds.get(),
+                                                n);
   QBL_ASSERT_CUDA(cudaGetLastError());
   std::vector<float> q(n), s(n), want_q(n), want_s(n);
   QBL_ASSERT_CUDA(qbl_test::to_host(q, dq.get()));
@@ -438,9 +439,12 @@ TYPED_TEST(ElementMath16, ScaleClampBoundIsTheRoundedEpsilon) {
 TEST(ElementMath16, AllZeroXIsNaNInFp16AndZeroInBf16) {
   // fp16 rounds eager's 1e-8 clamp bound to 0: scale 0, 0 / 0 = NaN, as eager computes.
   EXPECT_EQ(qbl::scale_from_amax<__half>(0.0f), 0.0f);
-  EXPECT_TRUE(std::isnan(qbl::quant_blend_value<__half>(0.0f, 0.3f, qbl::scale_from_amax<__half>(0.0f))));
+  EXPECT_TRUE(
+      std::isnan(qbl::quant_blend_value<__half>(0.0f, 0.3f, qbl::scale_from_amax<__half>(0.0f))));
   EXPECT_GT(qbl::scale_from_amax<__nv_bfloat16>(0.0f), 0.0f);
-  EXPECT_EQ(qbl::quant_blend_value<__nv_bfloat16>(0.0f, 0.3f, qbl::scale_from_amax<__nv_bfloat16>(0.0f)), 0.0f);
+  EXPECT_EQ(
+      qbl::quant_blend_value<__nv_bfloat16>(0.0f, 0.3f, qbl::scale_from_amax<__nv_bfloat16>(0.0f)),
+      0.0f);
 }
 
 TYPED_TEST(ElementMath16, RandomSliceMatchesTheFormulaOpByOp) {

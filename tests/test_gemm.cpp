@@ -55,7 +55,8 @@ TEST_P(LinearGemmDevice, MatchesFloat64) {
   QBL_ASSERT_CUDA(qbl_test::to_device(da.get(), a));
   QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(off), w));
   QBL_ASSERT_CUDA(qbl_test::to_device(db.get(off), b));
-  QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, (tokens * out + off) * sizeof(float)));
+  QBL_ASSERT_CUDA(
+      cudaMemset(dout.get(), qbl_test::poison_byte, (tokens * out + off) * sizeof(float)));
 
   qbl::LinearGemm<float> gemm(in, out, max_tokens);
   qbl_test::DeviceArray<unsigned char> ws(gemm.workspace_bytes());
@@ -65,7 +66,8 @@ TEST_P(LinearGemmDevice, MatchesFloat64) {
   QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   std::vector<float> got(static_cast<std::size_t>(tokens * out));
   QBL_ASSERT_CUDA(qbl_test::to_host(got, dout.get(off)));
-  const auto want = qbl_test::linear_reference(a, w, has_bias ? b.data() : nullptr, tokens, in, out);
+  const auto want =
+      qbl_test::linear_reference(a, w, has_bias ? b.data() : nullptr, tokens, in, out);
   for (std::size_t i = 0; i < got.size(); ++i) {
     ASSERT_FALSE(std::isnan(got[i])) << "element " << i << " unwritten or NaN";
   }
@@ -90,8 +92,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearGemmDevice, ::testing::ValuesIn(gemm_case
                          [](const ::testing::TestParamInfo<GemmCase>& i) {
                            return "t" + std::to_string(i.param.tokens) + "_in" +
                                   std::to_string(i.param.in) + "_out" +
-                                  std::to_string(i.param.out) + (i.param.bias ? "_bias" : "_nobias") +
-                                  "_off" + std::to_string(i.param.offset);
+                                  std::to_string(i.param.out) +
+                                  (i.param.bias ? "_bias" : "_nobias") + "_off" +
+                                  std::to_string(i.param.offset);
                          });
 
 // The selection rule alone (CPU): cuBLASLt's first choice stays unless a later candidate is 10 %
@@ -105,7 +108,7 @@ TEST(LinearGemm, AutotuneKeepsTheFirstChoiceUnlessTenPercentFaster) {
   EXPECT_EQ(qbl::detail::pick_fastest(V{1.0f, 0.85f, 0.80f}), 1u);  // not 10 % below 0.85
   EXPECT_EQ(qbl::detail::pick_fastest(V{1.0f, 0.85f, 0.70f}), 2u);
   EXPECT_EQ(qbl::detail::pick_fastest(V{1.0f, inf, 0.5f}), 2u);
-  EXPECT_EQ(qbl::detail::pick_fastest(V{inf, 2.0f}), 1u);           // the first failed to run
+  EXPECT_EQ(qbl::detail::pick_fastest(V{inf, 2.0f}), 1u);  // the first failed to run
   EXPECT_EQ(qbl::detail::pick_fastest(V{1.0f, 1.2f, 0.95f}), 0u);
 }
 
@@ -143,7 +146,8 @@ TEST(LinearGemmDevice, AutotuneRecordsEveryBucketAndComputesTheProduct) {
   QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(), w));
   QBL_ASSERT_CUDA(qbl_test::to_device(db.get(), b));
   for (const std::int64_t tokens : tuned.buckets()) {
-    ASSERT_EQ(tuned.run(da.get(), dw.get(), db.get(), dout.get(), tokens, ws.get()), CUBLAS_STATUS_SUCCESS);
+    ASSERT_EQ(tuned.run(da.get(), dw.get(), db.get(), dout.get(), tokens, ws.get()),
+              CUBLAS_STATUS_SUCCESS);
     std::vector<float> got(static_cast<std::size_t>(tokens * out));
     QBL_ASSERT_CUDA(qbl_test::to_host(got, dout.get()));
     const auto want = qbl_test::linear_reference(a, w, b.data(), tokens, in, out);
@@ -201,7 +205,8 @@ TYPED_TEST(LinearGemmTyped, EveryAlignmentRunsOrIsReportedUnsupported) {
       QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, dout.size() * sizeof(T)));
       const T* bias = has_bias ? db.get(off) : nullptr;
       const bool offered = gemm.supports(da.get(), dw.get(off), bias, dout.get(off), tokens);
-      const cublasStatus_t st = gemm.run(da.get(), dw.get(off), bias, dout.get(off), tokens, ws.get(), nullptr);
+      const cublasStatus_t st =
+          gemm.run(da.get(), dw.get(off), bias, dout.get(off), tokens, ws.get(), nullptr);
       QBL_ASSERT_CUDA(cudaDeviceSynchronize());
       std::vector<T> got(static_cast<std::size_t>(tokens * out));
       QBL_ASSERT_CUDA(qbl_test::to_host(got, dout.get(off)));
@@ -222,19 +227,22 @@ TYPED_TEST(LinearGemmTyped, EveryAlignmentRunsOrIsReportedUnsupported) {
         continue;
       }
       EXPECT_TRUE(offered);
-      const auto want = qbl_test::linear_reference(a, w, has_bias ? b.data() : nullptr, tokens, in, out);
+      const auto want =
+          qbl_test::linear_reference(a, w, has_bias ? b.data() : nullptr, tokens, in, out);
       std::vector<float> rounded(want.size());
       for (std::size_t i = 0; i < want.size(); ++i) {
         rounded[i] = qbl_test::to_f(qbl_test::from_f<T>(static_cast<float>(want[i])));
       }
       const std::vector<float> gotf = qbl_test::widen(got);
-      for (std::size_t i = 0; i < gotf.size(); ++i) ASSERT_FALSE(std::isnan(gotf[i])) << "unwritten " << i;
+      for (std::size_t i = 0; i < gotf.size(); ++i)
+        ASSERT_FALSE(std::isnan(gotf[i])) << "unwritten " << i;
       // fp32: the rounding of the exact product is ~1e-8; fp32 accumulation adds ~1e-7.
       const double best = qbl_test::relative_error(rounded, want);
-      EXPECT_LE(qbl_test::relative_error(gotf, want), 1.5 * best + 1e-6) << "best possible " << best;
+      EXPECT_LE(qbl_test::relative_error(gotf, want), 1.5 * best + 1e-6)
+          << "best possible " << best;
     }
-    std::printf("[ %s bias %s ] cuBLASLt at alignment:%s\n", type_name<T>(), has_bias ? "on " : "off",
-                table.c_str());
+    std::printf("[ %s bias %s ] cuBLASLt at alignment:%s\n", type_name<T>(),
+                has_bias ? "on " : "off", table.c_str());
   }
 }
 
@@ -284,18 +292,21 @@ TYPED_TEST(GemmPlanTyped, DgradAndWgradMatchFloat64) {
       std::vector<T> got(n);
       ASSERT_EQ(qbl_test::to_host(got, d), cudaSuccess);
       const auto gotf = qbl_test::widen(got);
-      for (std::size_t i = 0; i < n; ++i) ASSERT_FALSE(std::isnan(gotf[i])) << what << " unwritten " << i;
+      for (std::size_t i = 0; i < n; ++i)
+        ASSERT_FALSE(std::isnan(gotf[i])) << what << " unwritten " << i;
       EXPECT_LT(qbl_test::relative_error(gotf, want), tol) << what;
     };
     auto untouched = [&](const T* d, std::size_t n, const char* what) {
       std::vector<unsigned char> bytes(n * sizeof(T));
       ASSERT_EQ(cudaMemcpy(bytes.data(), d, bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-      for (std::size_t i = 0; i < bytes.size(); ++i) ASSERT_EQ(bytes[i], qbl_test::poison_byte) << what << " byte " << i;
+      for (std::size_t i = 0; i < bytes.size(); ++i)
+        ASSERT_EQ(bytes[i], qbl_test::poison_byte) << what << " byte " << i;
     };
     // dgrad: A = w, B = g, D = g_a.
     QBL_ASSERT_CUDA(cudaMemset(dd.get(), qbl_test::poison_byte, dd.size() * sizeof(T)));
     const bool d_ok = dplan.supports(dw.get(off), dg.get(off), nullptr, dd.get(off), tokens);
-    const cublasStatus_t ds = dplan.run(dw.get(off), dg.get(off), dd.get(off), nullptr, tokens, 0.0f, ws.get());
+    const cublasStatus_t ds =
+        dplan.run(dw.get(off), dg.get(off), dd.get(off), nullptr, tokens, 0.0f, ws.get());
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
     EXPECT_EQ(d_ok, ds == CUBLAS_STATUS_SUCCESS);
     if (off == 0) {
@@ -316,7 +327,8 @@ TYPED_TEST(GemmPlanTyped, DgradAndWgradMatchFloat64) {
       } else {
         QBL_ASSERT_CUDA(qbl_test::to_device(dwg.get(off), qbl_test::convert<T>(old_w)));
       }
-      const bool w_ok = wplan.supports(da.get(off), dg.get(off), dbg.get(off), dwg.get(off), tokens);
+      const bool w_ok =
+          wplan.supports(da.get(off), dg.get(off), dbg.get(off), dwg.get(off), tokens);
       const cublasStatus_t wst =
           wplan.run(da.get(off), dg.get(off), dwg.get(off), dbg.get(off), tokens, beta, ws.get());
       QBL_ASSERT_CUDA(cudaDeviceSynchronize());

@@ -23,7 +23,8 @@ TEST(QuantBlend, RejectsBadArgumentsWithoutLaunching) {
   EXPECT_EQ(qbl::quant_blend<float>(&d, nullptr, &d, &d, 4, 4), cudaErrorInvalidValue);
   EXPECT_EQ(qbl::quant_blend<float>(&d, &d, nullptr, &d, 4, 4), cudaErrorInvalidValue);
   EXPECT_EQ(qbl::quant_blend<float>(&d, &d, &d, nullptr, 4, 4), cudaErrorInvalidValue);
-  EXPECT_EQ(qbl::amax_quant_blend<float>(&d, &d, &d, 4, 4, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::amax_quant_blend<float>(&d, &d, &d, 4, 4, nullptr, nullptr),
+            cudaErrorInvalidValue);
   EXPECT_EQ(qbl::amax_quant_blend<float>(&d, &d, &d, 4, -4, &d, nullptr), cudaErrorInvalidValue);
   // tokens == 0 is a no-op, null buffers allowed.
   EXPECT_EQ(qbl::quant_blend<float>(nullptr, nullptr, &d, nullptr, 0, 4), cudaSuccess);
@@ -91,8 +92,8 @@ class QuantBlendDevice : public ::testing::TestWithParam<Case> {
     QBL_ASSERT_CUDA(qbl_test::to_host(got, dm.get(offset)));
     QBL_ASSERT_CUDA(qbl_test::to_host(stats, dstats.get()));
     float want_scale = 0;
-    mixed_ = qbl_test::reference_mixed(qbl_test::DType::fp32, in.x, in.alpha, tokens, features, nullptr,
-                                         &want_scale);
+    mixed_ = qbl_test::reference_mixed(qbl_test::DType::fp32, in.x, in.alpha, tokens, features,
+                                       nullptr, &want_scale);
     got_ = got;
     EXPECT_TRUE(qbl_test::bits_equal(got, mixed_, static_cast<std::size_t>(features)));
     if (std::isnan(want_scale)) {
@@ -114,7 +115,8 @@ TEST_P(QuantBlendDevice, RandomMatchesCpu) {
 }
 
 TEST_P(QuantBlendDevice, NaNInXMakesEverythingNaN) {
-  run_and_compare([](Inputs& in) { in.x[in.x.size() / 2] = std::numeric_limits<float>::quiet_NaN(); });
+  run_and_compare(
+      [](Inputs& in) { in.x[in.x.size() / 2] = std::numeric_limits<float>::quiet_NaN(); });
   for (float v : got_) ASSERT_TRUE(std::isnan(v));
 }
 
@@ -140,9 +142,9 @@ TEST_P(QuantBlendDevice, NaNLogitMakesItsRowNaN) {
 std::vector<Case> cases() {
   std::vector<Case> c;
   const std::pair<std::int64_t, std::int64_t> shapes[] = {
-      {1, 1},     {1, 3},    {3, 7},     {7, 65},    {65, 217},  {217, 2047}, {2047, 3},
-      {2049, 65}, {65, 2049}, {1, 2048}, {8, 1024},  {64, 256},  {512, 512},  {33, 4096},
-      {2, 8192},  {257, 768}, {3, 1}};
+      {1, 1},     {1, 3},     {3, 7},     {7, 65},    {65, 217}, {217, 2047},
+      {2047, 3},  {2049, 65}, {65, 2049}, {1, 2048},  {8, 1024}, {64, 256},
+      {512, 512}, {33, 4096}, {2, 8192},  {257, 768}, {3, 1}};
   for (auto [t, f] : shapes)
     for (std::size_t off : {0, 1})
       for (Path p : {Path::two_stage, Path::combined}) c.push_back({t, f, off, p});
@@ -183,8 +185,9 @@ TYPED_TEST(QuantBlendDevice16, MatchesCpuOpByOp) {
   for (const Shape sh : {Shape{3, 7, 0}, Shape{65, 217, 1}, Shape{8, 1024, 0}, Shape{2049, 512, 0},
                          Shape{257, 768, 1}, Shape{33, 4096, 0}, Shape{4, 3, 1}}) {
     for (Path path : {Path::two_stage, Path::combined}) {
-      SCOPED_TRACE("tokens " + std::to_string(sh.tokens) + " features " + std::to_string(sh.features) +
-                   " offset " + std::to_string(sh.offset) + (path == Path::two_stage ? " two-stage" : " combined"));
+      SCOPED_TRACE("tokens " + std::to_string(sh.tokens) + " features " +
+                   std::to_string(sh.features) + " offset " + std::to_string(sh.offset) +
+                   (path == Path::two_stage ? " two-stage" : " combined"));
       const auto n = static_cast<std::size_t>(sh.tokens * sh.features);
       const std::vector<T> x = qbl_test::convert<T>(qbl_test::randn(n, seed + sh.features));
       const std::vector<T> l = qbl_test::convert<T>(qbl_test::randn(sh.tokens, seed + 7, 2.0f));
@@ -193,15 +196,16 @@ TYPED_TEST(QuantBlendDevice16, MatchesCpuOpByOp) {
       QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(sh.offset), x));
       QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(), l));
       QBL_ASSERT_CUDA(cudaMemset(dm.get(), qbl_test::poison_byte, (n + sh.offset) * sizeof(T)));
-      device_sigmoid_t<T><<<static_cast<unsigned>((sh.tokens + 255) / 256), 256>>>(dl.get(), dalpha.get(), sh.tokens);
+      device_sigmoid_t<T><<<static_cast<unsigned>((sh.tokens + 255) / 256), 256>>>(
+          dl.get(), dalpha.get(), sh.tokens);
       QBL_ASSERT_CUDA(cudaGetLastError());
       if (path == Path::two_stage) {
         QBL_ASSERT_CUDA(qbl::amax(dx.get(sh.offset), sh.tokens * sh.features, dstats.get()));
-        QBL_ASSERT_CUDA(qbl::quant_blend(dx.get(sh.offset), dl.get(), dstats.get(), dm.get(sh.offset),
-                                         sh.tokens, sh.features, dstats.get(1)));
+        QBL_ASSERT_CUDA(qbl::quant_blend(dx.get(sh.offset), dl.get(), dstats.get(),
+                                         dm.get(sh.offset), sh.tokens, sh.features, dstats.get(1)));
       } else {
-        QBL_ASSERT_CUDA(qbl::amax_quant_blend(dx.get(sh.offset), dl.get(), dm.get(sh.offset), sh.tokens,
-                                              sh.features, dstats.get(), dstats.get(1)));
+        QBL_ASSERT_CUDA(qbl::amax_quant_blend(dx.get(sh.offset), dl.get(), dm.get(sh.offset),
+                                              sh.tokens, sh.features, dstats.get(), dstats.get(1)));
       }
       std::vector<float> alpha(sh.tokens), stats(2);
       std::vector<T> got(n);
@@ -210,11 +214,12 @@ TYPED_TEST(QuantBlendDevice16, MatchesCpuOpByOp) {
       QBL_ASSERT_CUDA(qbl_test::to_host(got, dm.get(sh.offset)));
       const std::vector<float> xf = qbl_test::widen(x);
       float amax = 0, scale = 0;
-      const std::vector<float> want = qbl_test::reference_mixed(qbl_test::dtype_of<T>(), xf, alpha, sh.tokens,
-                                                                sh.features, &amax, &scale);
+      const std::vector<float> want = qbl_test::reference_mixed(
+          qbl_test::dtype_of<T>(), xf, alpha, sh.tokens, sh.features, &amax, &scale);
       EXPECT_EQ(bits(stats[0]), bits(amax));
       EXPECT_EQ(bits(stats[1]), bits(scale));
-      EXPECT_TRUE(qbl_test::bits_equal(qbl_test::widen(got), want, static_cast<std::size_t>(sh.features)));
+      EXPECT_TRUE(
+          qbl_test::bits_equal(qbl_test::widen(got), want, static_cast<std::size_t>(sh.features)));
     }
   }
 }

@@ -10,8 +10,8 @@
 #include <cstdio>
 #include <limits>
 #include <memory>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -32,7 +32,8 @@ TEST(QuantBlendLinear, RejectsBadSizesBeforeTouchingCuda) {
 TEST(QuantBlendLinear, WorkspaceBytesCountsEveryBuffer) {
   qbl::Options o;
   o.cublas_workspace_bytes = 1000;
-  EXPECT_EQ(Layer::workspace_bytes(64, 8, 10, o), 2 * sizeof(float) + 64 * 10 * sizeof(float) + 1000);
+  EXPECT_EQ(Layer::workspace_bytes(64, 8, 10, o),
+            2 * sizeof(float) + 64 * 10 * sizeof(float) + 1000);
   o.backward = true;
   EXPECT_EQ(Layer::workspace_bytes(64, 8, 10, o),
             2 * sizeof(float) + 2 * 64 * 10 * sizeof(float) + 8 * sizeof(float) + 2 * 1000);
@@ -41,7 +42,8 @@ TEST(QuantBlendLinear, WorkspaceBytesCountsEveryBuffer) {
 }
 
 static_assert(!std::is_copy_constructible_v<Layer> && !std::is_copy_assignable_v<Layer>);
-static_assert(std::is_nothrow_move_constructible_v<Layer> && std::is_nothrow_move_assignable_v<Layer>);
+static_assert(std::is_nothrow_move_constructible_v<Layer> &&
+              std::is_nothrow_move_assignable_v<Layer>);
 
 __global__ void device_sigmoid(const float* l, float* alpha, std::int64_t n) {
   const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
@@ -58,12 +60,19 @@ struct Problem {
 
   Problem(std::int64_t t, std::int64_t i, std::int64_t o, std::size_t off, bool with_bias,
           std::uint64_t seed)
-      : tokens(t), in(i), out(o), offset(off), bias(with_bias),
+      : tokens(t),
+        in(i),
+        out(o),
+        offset(off),
+        bias(with_bias),
         x(qbl_test::randn(static_cast<std::size_t>(t * i), seed)),
         logits(qbl_test::randn(static_cast<std::size_t>(t), seed + 1, 2.0f)),
         w(qbl_test::randn(static_cast<std::size_t>(o * i), seed + 2, 1.0f / std::sqrt(float(i)))),
         b(qbl_test::randn(static_cast<std::size_t>(o), seed + 3)),
-        dx(x.size() + off), dl(logits.size() + off), dw(w.size() + off), db(b.size() + off),
+        dx(x.size() + off),
+        dl(logits.size() + off),
+        dw(w.size() + off),
+        db(b.size() + off),
         dout(static_cast<std::size_t>(t * o) + off) {}
 
   cudaError_t upload() {
@@ -89,7 +98,8 @@ struct Problem {
   /// mixed as eager computes it, with alpha from the device's sigmoid.
   std::vector<float> reference_mixed() {
     qbl_test::DeviceArray<float> da(static_cast<std::size_t>(tokens));
-    device_sigmoid<<<static_cast<unsigned>((tokens + 255) / 256), 256>>>(dl.get(offset), da.get(), tokens);
+    device_sigmoid<<<static_cast<unsigned>((tokens + 255) / 256), 256>>>(dl.get(offset), da.get(),
+                                                                         tokens);
     std::vector<float> alpha(static_cast<std::size_t>(tokens));
     EXPECT_EQ(qbl_test::to_host(alpha, da.get()), cudaSuccess);
     return qbl_test::reference_mixed(qbl_test::DType::fp32, x, alpha, tokens, in);
@@ -126,8 +136,10 @@ TEST_P(QuantBlendLinearDevice, MixedIsExactAndOutMatchesFloat64) {
   EXPECT_TRUE(qbl_test::bits_equal(mixed, want_mixed, static_cast<std::size_t>(in)));
 
   const std::vector<float> got = p.result();
-  for (std::size_t i = 0; i < got.size(); ++i) ASSERT_NE(bits(got[i]), poison_bits) << "unwritten " << i;
-  const auto want = qbl_test::linear_reference(want_mixed, p.w, bias ? p.b.data() : nullptr, tokens, in, out);
+  for (std::size_t i = 0; i < got.size(); ++i)
+    ASSERT_NE(bits(got[i]), poison_bits) << "unwritten " << i;
+  const auto want =
+      qbl_test::linear_reference(want_mixed, p.w, bias ? p.b.data() : nullptr, tokens, in, out);
   EXPECT_LT(qbl_test::relative_error(got, want), 1e-5);
 
   std::vector<float> scale(1);
@@ -207,8 +219,8 @@ TEST_F(QuantBlendLinearFixture, NaNLogitMakesItsRowNaN) {
 }
 
 TEST_F(QuantBlendLinearFixture, ZeroTokensIsANoOp) {
-  EXPECT_NO_THROW(layer_->forward(p_->dx.get(), p_->dl.get(), p_->dw.get(), p_->db.get(),
-                                  p_->dout.get(), 0));
+  EXPECT_NO_THROW(
+      layer_->forward(p_->dx.get(), p_->dl.get(), p_->dw.get(), p_->db.get(), p_->dout.get(), 0));
   EXPECT_NO_THROW(layer_->forward(nullptr, nullptr, nullptr, nullptr, nullptr, 0));
   QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   expect_out_untouched();
@@ -229,8 +241,8 @@ TEST_F(QuantBlendLinearFixture, BadArgumentsThrowBeforeLaunching) {
   EXPECT_THROW(layer_->forward(x, l, w, b, out, 513), qbl::out_of_range);
   auto* odd = reinterpret_cast<float*>(reinterpret_cast<char*>(x) + 2);
   EXPECT_THROW(layer_->forward(odd, l, w, b, out, t), qbl::invalid_argument);
-  EXPECT_THROW(layer_->forward(x, l, w, b, x, t), qbl::invalid_argument);        // out == x
-  EXPECT_THROW(layer_->forward(x, l, w, b, w - 5, t), qbl::invalid_argument);    // out overlaps w
+  EXPECT_THROW(layer_->forward(x, l, w, b, x, t), qbl::invalid_argument);      // out == x
+  EXPECT_THROW(layer_->forward(x, l, w, b, w - 5, t), qbl::invalid_argument);  // out overlaps w
   QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   expect_out_untouched();
 }
@@ -322,19 +334,23 @@ TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
     bool bias;
   };
   int fallback = 0;
-  for (const Shape sh : {Shape{1, 256, 256, 0, true}, Shape{7, 256, 256, 1, true},
-                         Shape{2049, 256, 256, 0, true}, Shape{217, 256, 256, 0, false},
-                         Shape{36, 45, 35, 0, true}, Shape{300, 45, 64, 1, false},
-                         Shape{5, 3, 1, 0, true}}) {
+  for (const Shape sh :
+       {Shape{1, 256, 256, 0, true}, Shape{7, 256, 256, 1, true}, Shape{2049, 256, 256, 0, true},
+        Shape{217, 256, 256, 0, false}, Shape{36, 45, 35, 0, true}, Shape{300, 45, 64, 1, false},
+        Shape{5, 3, 1, 0, true}}) {
     SCOPED_TRACE("tokens " + std::to_string(sh.tokens) + " in " + std::to_string(sh.in) + " out " +
                  std::to_string(sh.out) + " offset " + std::to_string(sh.offset));
     qbl::QuantBlendLinear<T> layer(sh.in, sh.out, 2049);
-    const std::vector<float> xf = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.tokens * sh.in, seed)));
-    const std::vector<float> lf = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.tokens, seed + 1, 2.0f)));
-    const std::vector<float> wf = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.out * sh.in, seed + 2, 0.0625f)));
-    const std::vector<float> bf = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.out, seed + 3)));
-    qbl_test::DeviceArray<T> dx(xf.size() + sh.offset), dl(lf.size() + sh.offset), dw(wf.size() + sh.offset),
-        db(bf.size() + sh.offset), dout(sh.tokens * sh.out + sh.offset);
+    const std::vector<float> xf =
+        qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.tokens * sh.in, seed)));
+    const std::vector<float> lf =
+        qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.tokens, seed + 1, 2.0f)));
+    const std::vector<float> wf =
+        qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.out * sh.in, seed + 2, 0.0625f)));
+    const std::vector<float> bf =
+        qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.out, seed + 3)));
+    qbl_test::DeviceArray<T> dx(xf.size() + sh.offset), dl(lf.size() + sh.offset),
+        dw(wf.size() + sh.offset), db(bf.size() + sh.offset), dout(sh.tokens * sh.out + sh.offset);
     qbl_test::DeviceArray<float> dalpha(sh.tokens);
     QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(sh.offset), qbl_test::convert<T>(xf)));
     QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(sh.offset), qbl_test::convert<T>(lf)));
@@ -342,9 +358,11 @@ TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
     QBL_ASSERT_CUDA(qbl_test::to_device(db.get(sh.offset), qbl_test::convert<T>(bf)));
     QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, dout.size() * sizeof(T)));
     const T* bias = sh.bias ? db.get(sh.offset) : nullptr;
-    layer.forward(dx.get(sh.offset), dl.get(sh.offset), dw.get(sh.offset), bias, dout.get(sh.offset), sh.tokens);
+    layer.forward(dx.get(sh.offset), dl.get(sh.offset), dw.get(sh.offset), bias,
+                  dout.get(sh.offset), sh.tokens);
     fallback += !layer.uses_cublaslt(dw.get(sh.offset), bias, dout.get(sh.offset), sh.tokens);
-    device_sigmoid_t<T><<<static_cast<unsigned>((sh.tokens + 255) / 256), 256>>>(dl.get(sh.offset), dalpha.get(), sh.tokens);
+    device_sigmoid_t<T><<<static_cast<unsigned>((sh.tokens + 255) / 256), 256>>>(
+        dl.get(sh.offset), dalpha.get(), sh.tokens);
     QBL_ASSERT_CUDA(cudaGetLastError());
     std::vector<float> alpha(sh.tokens);
     std::vector<T> mixed(xf.size()), out(sh.tokens * sh.out);
@@ -353,21 +371,26 @@ TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
     QBL_ASSERT_CUDA(qbl_test::to_host(out, dout.get(sh.offset)));
     const std::vector<float> want_mixed =
         qbl_test::reference_mixed(qbl_test::dtype_of<T>(), xf, alpha, sh.tokens, sh.in);
-    EXPECT_TRUE(qbl_test::bits_equal(qbl_test::widen(mixed), want_mixed, static_cast<std::size_t>(sh.in)));
+    EXPECT_TRUE(
+        qbl_test::bits_equal(qbl_test::widen(mixed), want_mixed, static_cast<std::size_t>(sh.in)));
     const std::vector<float> got = qbl_test::widen(out);
-    for (std::size_t i = 0; i < got.size(); ++i) ASSERT_FALSE(std::isnan(got[i])) << "unwritten or NaN " << i;
-    const auto want = qbl_test::linear_reference(want_mixed, wf, sh.bias ? bf.data() : nullptr, sh.tokens, sh.in, sh.out);
+    for (std::size_t i = 0; i < got.size(); ++i)
+      ASSERT_FALSE(std::isnan(got[i])) << "unwritten or NaN " << i;
+    const auto want = qbl_test::linear_reference(want_mixed, wf, sh.bias ? bf.data() : nullptr,
+                                                 sh.tokens, sh.in, sh.out);
     // Within two roundings of the exact product to T: some bf16 cuBLASLt algorithms with the bias
     // epilogue measured up to 1.65x the error of one rounding on the H200 (eager's F.linear runs
     // the same algorithms).
     std::vector<float> rounded(want.size());
-    for (std::size_t i = 0; i < want.size(); ++i) rounded[i] = qbl_test::ref_round(qbl_test::dtype_of<T>(), static_cast<float>(want[i]));
+    for (std::size_t i = 0; i < want.size(); ++i)
+      rounded[i] = qbl_test::ref_round(qbl_test::dtype_of<T>(), static_cast<float>(want[i]));
     const double best = qbl_test::relative_error(rounded, want);
     const double err = qbl_test::relative_error(got, want);
     EXPECT_LE(err, 2.5 * best + 1e-6) << "one rounding of the exact product: " << best;
     EXPECT_LT(err, out_tolerance<T>());
   }
-  std::printf("[ %s ] shapes on the fallback GEMM: %d of 7\n", std::is_same_v<T, __half> ? "fp16" : "bf16", fallback);
+  std::printf("[ %s ] shapes on the fallback GEMM: %d of 7\n",
+              std::is_same_v<T, __half> ? "fp16" : "bf16", fallback);
 }
 
 TEST(QuantBlendLinearTf32, AllowTf32RunsTheFastModeWithinItsTolerance) {
@@ -383,10 +406,12 @@ TEST(QuantBlendLinearTf32, AllowTf32RunsTheFastModeWithinItsTolerance) {
   const auto fast = p.result();
   p.forward(exact);
   const auto slow = p.result();
-  const auto want = qbl_test::linear_reference(p.reference_mixed(), p.w, p.b.data(), p.tokens, p.in, p.out);
-  const double e_fast = qbl_test::relative_error(fast, want), e_slow = qbl_test::relative_error(slow, want);
+  const auto want =
+      qbl_test::linear_reference(p.reference_mixed(), p.w, p.b.data(), p.tokens, p.in, p.out);
+  const double e_fast = qbl_test::relative_error(fast, want),
+               e_slow = qbl_test::relative_error(slow, want);
   EXPECT_LT(e_slow, 1e-5);
-  EXPECT_LT(e_fast, 2e-3);   // TF32 keeps 10 mantissa bits of each operand
+  EXPECT_LT(e_fast, 2e-3);    // TF32 keeps 10 mantissa bits of each operand
   EXPECT_GT(e_fast, e_slow);  // it did run in the reduced-precision mode
 }
 

@@ -1147,8 +1147,8 @@ BwdCase make_backward_case(std::uint64_t seed, int index) {
 TEST(LayerBackwardProperty, RandomCasesMatchTheIndependentReference) {
   QBL_REQUIRE_GPU();
   const std::uint64_t seed = env_u64("QBL_PROPERTY_SEED", qbl_test::fresh_seed());
-  const int cases = static_cast<int>(
-      env_u64("QBL_BACKWARD_PROPERTY_CASES", env_u64("QBL_PROPERTY_CASES", 1000)));
+  const int cases =
+      static_cast<int>(env_u64("QBL_BACKWARD_PROPERTY_CASES", env_u64("QBL_PROPERTY_CASES", 1000)));
   std::printf("[ property ] %d backward cases, seed %llu (replay: QBL_PROPERTY_SEED=%llu)\n", cases,
               static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed));
   const auto start = std::chrono::steady_clock::now();

@@ -56,8 +56,8 @@ Outcome run_case(const PropertyCase& c, const PropertyData& d) {
   std::vector<T> raw_out(static_cast<std::size_t>(c.tokens * c.out));
   layer.forward(dx.get(xo), dl.get(xo), dw.get(go), bias, dout.get(go), c.tokens);
   r.cublaslt = layer.uses_cublaslt(dw.get(go), bias, dout.get(go), c.tokens);
-  qbl_test::device_sigmoid_t<T><<<static_cast<unsigned>((c.tokens + 255) / 256), 256>>>(
-      dl.get(xo), dalpha.get(), c.tokens);
+  qbl_test::device_sigmoid_t<T>
+      <<<static_cast<unsigned>((c.tokens + 255) / 256), 256>>>(dl.get(xo), dalpha.get(), c.tokens);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<T> raw_mixed(d.x.size());
@@ -65,8 +65,10 @@ Outcome run_case(const PropertyCase& c, const PropertyData& d) {
   EXPECT_EQ(qbl_test::to_host(raw_mixed, layer.device_mixed()), cudaSuccess);
   EXPECT_EQ(qbl_test::to_host(raw_out, dout.get(go)), cudaSuccess);
   EXPECT_EQ(qbl_test::to_host(r.alpha, dalpha.get()), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(&r.amax, layer.device_amax(), sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(&r.scale, layer.device_scale(), sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(&r.amax, layer.device_amax(), sizeof(float), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(&r.scale, layer.device_scale(), sizeof(float), cudaMemcpyDeviceToHost),
+            cudaSuccess);
   // An element still all 0xff bytes was never written (no kernel produces that NaN pattern).
   for (std::size_t i = 0; i < raw_out.size(); ++i) {
     const auto* e = reinterpret_cast<const unsigned char*>(&raw_out[i]);
@@ -83,9 +85,12 @@ Outcome run_case(const PropertyCase& c, const PropertyData& d) {
 Outcome run_case(const PropertyCase& c, const PropertyData& d) {
   switch (c.dtype) {
     case DType::fp32:
-    case DType::tf32: return run_case<float>(c, d);
-    case DType::bf16: return run_case<__nv_bfloat16>(c, d);
-    case DType::fp16: return run_case<__half>(c, d);
+    case DType::tf32:
+      return run_case<float>(c, d);
+    case DType::bf16:
+      return run_case<__nv_bfloat16>(c, d);
+    case DType::fp16:
+      return run_case<__half>(c, d);
   }
   return {};
 }
@@ -101,15 +106,17 @@ std::vector<float> reference_mixed(const PropertyCase& c, const PropertyData& d,
 /// as close to it as the dtype allows: fp32 no worse than the exact product rounded once (plus
 /// fp32 accumulation), bf16/fp16 than rounded twice, TF32 within its 10-bit operands.
 ::testing::AssertionResult out_matches(const PropertyCase& c, const PropertyData& d,
-                                       const std::vector<float>& mixed, const std::vector<float>& out) {
-  const auto want = qbl_test::linear_reference(mixed, d.w, c.bias ? d.b.data() : nullptr, c.tokens, c.in, c.out);
+                                       const std::vector<float>& mixed,
+                                       const std::vector<float>& out) {
+  const auto want =
+      qbl_test::linear_reference(mixed, d.w, c.bias ? d.b.data() : nullptr, c.tokens, c.in, c.out);
   std::vector<float> got_f, rounded_f;
   std::vector<double> want_f;
   for (std::size_t i = 0; i < want.size(); ++i) {
     const bool want_nan = std::isnan(want[i]), got_nan = std::isnan(out[i]);
     if (want_nan != got_nan) {
-      return ::testing::AssertionFailure() << "NaN mismatch at " << i << ": got " << out[i]
-                                           << ", float64 reference " << want[i];
+      return ::testing::AssertionFailure()
+             << "NaN mismatch at " << i << ": got " << out[i] << ", float64 reference " << want[i];
     }
     if (want_nan || std::isinf(want[i]) || std::isinf(out[i])) continue;
     got_f.push_back(out[i]);
@@ -129,8 +136,8 @@ std::vector<float> reference_mixed(const PropertyCase& c, const PropertyData& d,
     double norm = 0.0;
     for (double v : want_f) norm += v * v;
     norm = std::sqrt(norm);
-    const double subnormal = std::sqrt(static_cast<double>(want_f.size())) * 2.0 * static_cast<double>(c.in) *
-                             0x1p-150;
+    const double subnormal =
+        std::sqrt(static_cast<double>(want_f.size())) * 2.0 * static_cast<double>(c.in) * 0x1p-150;
     if (norm > 0.0) limit += subnormal / norm;
   }
   if (c.dtype == DType::tf32) {
@@ -140,8 +147,8 @@ std::vector<float> reference_mixed(const PropertyCase& c, const PropertyData& d,
       for (auto& e : v) e = qbl_test::round_binary(e, 11, -126, 3.4028234663852886e38);
       return v;
     };
-    const auto coarse = qbl_test::linear_reference(tf32(mixed), tf32(d.w), c.bias ? d.b.data() : nullptr,
-                                                   c.tokens, c.in, c.out);
+    const auto coarse = qbl_test::linear_reference(
+        tf32(mixed), tf32(d.w), c.bias ? d.b.data() : nullptr, c.tokens, c.in, c.out);
     std::vector<float> coarse_f;
     for (std::size_t i = 0; i < want.size(); ++i) {
       if (!std::isnan(want[i]) && !std::isinf(want[i]) && !std::isinf(out[i])) {
@@ -194,7 +201,8 @@ TYPED_TEST(NonFiniteTable, EachCaseGivesEagersAnswer) {
   c.max_tokens = 64;
   c.data_seed = seed;
   constexpr std::int64_t row = 11;
-  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity(),
+              nan = std::numeric_limits<float>::quiet_NaN();
   const bool fp16 = std::is_same_v<T, __half>;
   auto all_nan = [](const PropertyCase&, const PropertyData&, const Outcome& r) {
     for (float v : r.mixed) ASSERT_TRUE(std::isnan(v));
@@ -207,9 +215,11 @@ TYPED_TEST(NonFiniteTable, EachCaseGivesEagersAnswer) {
   };
   const std::vector<EdgeCase> table = {
       {"NaN in x: every output NaN", [&](PropertyData& d) { d.x[5 * 96 + 7] = nan; }, all_nan},
-      {"+Inf in x: every output NaN (inf scale, 0 * inf)", [&](PropertyData& d) { d.x[3] = inf; }, all_nan},
+      {"+Inf in x: every output NaN (inf scale, 0 * inf)", [&](PropertyData& d) { d.x[3] = inf; },
+       all_nan},
       {"-Inf in x: every output NaN", [&](PropertyData& d) { d.x[36 * 96 + 95] = -inf; }, all_nan},
-      {"NaN logit: its row NaN, the others finite", [&](PropertyData& d) { d.logits[row] = nan; }, row_nan_only},
+      {"NaN logit: its row NaN, the others finite", [&](PropertyData& d) { d.logits[row] = nan; },
+       row_nan_only},
       {"+Inf logit: alpha 1, its row of mixed is x_q",
        [&](PropertyData& d) { d.logits[row] = inf; },
        [](const PropertyCase& k, const PropertyData& d, const Outcome& r) {
@@ -221,8 +231,7 @@ TYPED_TEST(NonFiniteTable, EachCaseGivesEagersAnswer) {
            ASSERT_EQ(bits(r.mixed[row * k.in + i]), bits(qbl_test::ref_round(k.dtype, q * s))) << i;
          }
        }},
-      {"-Inf logit: alpha 0, its row of mixed is x",
-       [&](PropertyData& d) { d.logits[row] = -inf; },
+      {"-Inf logit: alpha 0, its row of mixed is x", [&](PropertyData& d) { d.logits[row] = -inf; },
        [](const PropertyCase& k, const PropertyData& d, const Outcome& r) {
          for (std::int64_t i = 0; i < k.in; ++i)
            ASSERT_EQ(bits(r.mixed[row * k.in + i]), bits(d.x[row * k.in + i])) << i;
@@ -249,9 +258,12 @@ TYPED_TEST(NonFiniteTable, EachCaseGivesEagersAnswer) {
          }
        }},
       {"-0.0 among normal values: mixed -0.0 there",
-       [&](PropertyData& d) { for (std::size_t i = 0; i < d.x.size(); i += 5) d.x[i] = -0.0f; },
+       [&](PropertyData& d) {
+         for (std::size_t i = 0; i < d.x.size(); i += 5) d.x[i] = -0.0f;
+       },
        [](const PropertyCase&, const PropertyData& d, const Outcome& r) {
-         for (std::size_t i = 0; i < d.x.size(); i += 5) ASSERT_EQ(bits(r.mixed[i]), 0x80000000u) << i;
+         for (std::size_t i = 0; i < d.x.size(); i += 5)
+           ASSERT_EQ(bits(r.mixed[i]), 0x80000000u) << i;
        }},
       {"denormal x: kept, not flushed to zero",
        [&](PropertyData& d) {
@@ -300,17 +312,20 @@ TEST(QuantBlendLinearProperty, RandomCasesMatchTheIndependentReference) {
     float amax = 0.0f, scale = 0.0f;
     const auto want = reference_mixed(c, d, r.alpha, &amax, &scale);
     const auto mixed_ok = qbl_test::bits_equal(r.mixed, want, static_cast<std::size_t>(c.in));
-    const bool stats_ok = (bits(r.amax) == bits(amax) || (std::isnan(r.amax) && std::isnan(amax))) &&
-                          (bits(r.scale) == bits(scale) || (std::isnan(r.scale) && std::isnan(scale)));
+    const bool stats_ok =
+        (bits(r.amax) == bits(amax) || (std::isnan(r.amax) && std::isnan(amax))) &&
+        (bits(r.scale) == bits(scale) || (std::isnan(r.scale) && std::isnan(scale)));
     const auto out_ok = out_matches(c, d, want, r.out);
     EXPECT_TRUE(mixed_ok);
-    EXPECT_TRUE(stats_ok) << "amax " << r.amax << " vs " << amax << ", scale " << r.scale << " vs " << scale;
+    EXPECT_TRUE(stats_ok) << "amax " << r.amax << " vs " << amax << ", scale " << r.scale << " vs "
+                          << scale;
     EXPECT_TRUE(out_ok);
     failed += !(mixed_ok && stats_ok && out_ok) || ::testing::Test::HasFatalFailure();
   }
-  std::printf("[ property ] ran %d (fp32 %d, tf32 %d, bf16 %d, fp16 %d), GEMM on the fallback kernel "
-              "in %d, failed %d\n",
-              ran, per_type[0], per_type[1], per_type[2], per_type[3], fallback, failed);
+  std::printf(
+      "[ property ] ran %d (fp32 %d, tf32 %d, bf16 %d, fp16 %d), GEMM on the fallback kernel "
+      "in %d, failed %d\n",
+      ran, per_type[0], per_type[1], per_type[2], per_type[3], fallback, failed);
   EXPECT_EQ(ran, cases) << "stopped after 5 failing cases";
 }
 
@@ -324,7 +339,8 @@ TEST(QuantBlendLinearProperty, FixedSliceOnTheHostElementMath) {
     const PropertyData d = qbl_test::make_property_data(c);
     std::mt19937 gen(static_cast<unsigned>(i));
     std::vector<float> alpha(d.logits.size());
-    for (auto& a : alpha) a = qbl_test::ref_round(c.dtype, std::uniform_real_distribution<float>(0.0f, 1.0f)(gen));
+    for (auto& a : alpha)
+      a = qbl_test::ref_round(c.dtype, std::uniform_real_distribution<float>(0.0f, 1.0f)(gen));
     if (c.special == Special::inf_logits) alpha.front() = 1.0f, alpha.back() = 0.0f;
     float amax = 0.0f, scale = 0.0f;
     const auto want = reference_mixed(c, d, alpha, &amax, &scale);
@@ -332,9 +348,15 @@ TEST(QuantBlendLinearProperty, FixedSliceOnTheHostElementMath) {
     std::vector<float> got(d.x.size());
     switch (c.dtype) {
       case DType::fp32:
-      case DType::tf32: lib_scale = qbl::scale_from_amax<float>(amax); break;
-      case DType::bf16: lib_scale = qbl::scale_from_amax<__nv_bfloat16>(amax); break;
-      case DType::fp16: lib_scale = qbl::scale_from_amax<__half>(amax); break;
+      case DType::tf32:
+        lib_scale = qbl::scale_from_amax<float>(amax);
+        break;
+      case DType::bf16:
+        lib_scale = qbl::scale_from_amax<__nv_bfloat16>(amax);
+        break;
+      case DType::fp16:
+        lib_scale = qbl::scale_from_amax<__half>(amax);
+        break;
     }
     ASSERT_TRUE(bits(lib_scale) == bits(scale) || (std::isnan(lib_scale) && std::isnan(scale)));
     for (std::int64_t t = 0; t < c.tokens; ++t) {
@@ -343,9 +365,15 @@ TEST(QuantBlendLinearProperty, FixedSliceOnTheHostElementMath) {
         float& m = got[t * c.in + k];
         switch (c.dtype) {
           case DType::fp32:
-          case DType::tf32: m = qbl::quant_blend_value<float>(x, alpha[t], scale); break;
-          case DType::bf16: m = qbl::quant_blend_value<__nv_bfloat16>(x, alpha[t], scale); break;
-          case DType::fp16: m = qbl::quant_blend_value<__half>(x, alpha[t], scale); break;
+          case DType::tf32:
+            m = qbl::quant_blend_value<float>(x, alpha[t], scale);
+            break;
+          case DType::bf16:
+            m = qbl::quant_blend_value<__nv_bfloat16>(x, alpha[t], scale);
+            break;
+          case DType::fp16:
+            m = qbl::quant_blend_value<__half>(x, alpha[t], scale);
+            break;
         }
       }
     }

@@ -97,8 +97,8 @@ template <typename Check>
 void fp32_code_sweep(int scales, int ulps, int random, std::uint64_t seed, Check&& check) {
   for (int i = 0; i < scales; ++i) {
     const std::uint64_t r = mix(seed + i);
-    const float amax = std::ldexp(1.0f + static_cast<float>(r >> 41) * 0x1p-23f,
-                                  static_cast<int>(r % 220) - 110);
+    const float amax =
+        std::ldexp(1.0f + static_cast<float>(r >> 41) * 0x1p-23f, static_cast<int>(r % 220) - 110);
     const float s = qbl::scale_from_amax(amax);
     for (int k = -128; k <= 128; ++k) {
       const std::uint32_t c = bits((static_cast<float>(k) + 0.5f) * s);
@@ -117,7 +117,8 @@ void fp32_code_sweep(int scales, int ulps, int random, std::uint64_t seed, Check
     std::memcpy(&x, &xb, sizeof x);
     std::memcpy(&s, &sb, sizeof s);
     // Half the scales as the layer makes them (from an amax near |x|), half any bits at all.
-    if (i % 2 == 0) s = qbl::scale_from_amax(std::fabs(x) * (1.0f + static_cast<float>(r % 64) / 32.0f));
+    if (i % 2 == 0)
+      s = qbl::scale_from_amax(std::fabs(x) * (1.0f + static_cast<float>(r % 64) / 32.0f));
     check(x, s);
   }
 }
@@ -128,8 +129,8 @@ TEST(QuantBlendMath, Fp32CodeMatchesTheDivisionOnTheCpu) {
     ++n;
     const float want = reference_code<float>(x, s), got = quant_code(x, s, code_reciprocal(s));
     if (!same(got, want) && bad++ < 8)
-      ADD_FAILURE() << "x " << x << " (0x" << std::hex << bits(x) << ") s " << s << " (0x" << bits(s)
-                    << std::dec << "): code " << got << ", division " << want;
+      ADD_FAILURE() << "x " << x << " (0x" << std::hex << bits(x) << ") s " << s << " (0x"
+                    << bits(s) << std::dec << "): code " << got << ", division " << want;
   });
   EXPECT_EQ(bad, 0) << "of " << n;
 }
@@ -147,7 +148,8 @@ TYPED_TEST(QuantBlendMath16, QuotientCodeMatchesTheDivisionOnTheCpu) {
   std::vector<std::uint32_t> scales = {0x0000, 0x8000, 0x0001, 0x03ff, 0x0400, 0x0080, 0x007f,
                                        0x3c00, 0x3f80, 0x7bff, 0x7c00, 0x7f80, 0x7e00, 0x7fc0,
                                        0xbc00, 0xbf80, 0x0081, 0x00ff, 0x7eff, 0x7f7f};
-  for (std::uint32_t i = 0; i < 108; ++i) scales.push_back(static_cast<std::uint32_t>(mix(i)) & 0x7fffu);
+  for (std::uint32_t i = 0; i < 108; ++i)
+    scales.push_back(static_cast<std::uint32_t>(mix(i)) & 0x7fffu);
   std::int64_t bad = 0;
   for (std::uint32_t sb : scales) {
     const float s = value_of<T>(sb), y = code_reciprocal(s);
@@ -273,9 +275,11 @@ TYPED_TEST(QuantBlendMath16, EveryPackedProductAndSumRoundsLikeEager) {
 }
 
 /// The fp32 sweep on the device: block i takes scale i of the boundary sweep.
-__global__ void fp32_code_boundaries(std::uint64_t seed, int ulps, Mismatches* m, unsigned long long* n) {
+__global__ void fp32_code_boundaries(std::uint64_t seed, int ulps, Mismatches* m,
+                                     unsigned long long* n) {
   const std::uint64_t r = mix(seed + blockIdx.x);
-  const float amax = ldexpf(1.0f + static_cast<float>(r >> 41) * 0x1p-23f, static_cast<int>(r % 220) - 110);
+  const float amax =
+      ldexpf(1.0f + static_cast<float>(r >> 41) * 0x1p-23f, static_cast<int>(r % 220) - 110);
   const float s = qbl::scale_from_amax(amax), y = code_reciprocal(s);
   unsigned long long bad = 0, count = 0;
   unsigned pair = 0;
@@ -296,12 +300,13 @@ __global__ void fp32_code_boundaries(std::uint64_t seed, int ulps, Mismatches* m
 /// Random bit patterns for x and the scale, half the scales made from an amax near |x|.
 __global__ void fp32_code_random(std::uint64_t seed, std::uint64_t cases, Mismatches* m) {
   unsigned long long bad = 0;
-  for (std::uint64_t i = blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x; i < cases;
-       i += static_cast<std::uint64_t>(gridDim.x) * blockDim.x) {
+  for (std::uint64_t i = blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x;
+       i < cases; i += static_cast<std::uint64_t>(gridDim.x) * blockDim.x) {
     const std::uint64_t r = mix(seed ^ i);
     const float x = __uint_as_float(static_cast<std::uint32_t>(r));
     float s = __uint_as_float(static_cast<std::uint32_t>(r >> 32));
-    if (i % 2 == 0) s = qbl::scale_from_amax(fabsf(x) * (1.0f + static_cast<float>(r % 64) / 32.0f));
+    if (i % 2 == 0)
+      s = qbl::scale_from_amax(fabsf(x) * (1.0f + static_cast<float>(r % 64) / 32.0f));
     if (!same(quant_code(x, s, code_reciprocal(s)), reference_code<float>(x, s))) ++bad;
   }
   note_mismatch(m, bad, 0);
@@ -325,7 +330,8 @@ TEST(QuantBlendMathDevice, Fp32CodeMatchesTheDivisionAtEveryBoundary) {
   QBL_ASSERT_CUDA(cudaMemcpy(m, d.get(), sizeof m, cudaMemcpyDeviceToHost));
   QBL_ASSERT_CUDA(cudaMemcpy(&count, n.get(), sizeof count, cudaMemcpyDeviceToHost));
   EXPECT_EQ(count, std::uint64_t{scales} * 257 * (2 * ulps + 1));
-  EXPECT_EQ(m[0].count, 0u) << describe("boundary sweep (first bad scale index in the low bits)", m[0]);
+  EXPECT_EQ(m[0].count, 0u) << describe("boundary sweep (first bad scale index in the low bits)",
+                                        m[0]);
   EXPECT_EQ(m[1].count, 0u) << describe("random x and scale", m[1], false);
 }
 

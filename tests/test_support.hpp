@@ -164,10 +164,12 @@ inline ::testing::AssertionResult bits_equal(const std::vector<float>& actual,
   auto failure = ::testing::AssertionFailure();
   for (std::size_t i = 0; i < actual.size(); ++i) {
     if (bits(actual[i]) == bits(expected[i])) continue;
-    if (std::isnan(actual[i]) && std::isnan(expected[i]) && bits(actual[i]) != 0xffffffffu) continue;
+    if (std::isnan(actual[i]) && std::isnan(expected[i]) && bits(actual[i]) != 0xffffffffu)
+      continue;
     if (bad < 8) {
       failure << "\n  index " << i;
-      if (row_length != 0) failure << " (row " << i / row_length << ", col " << i % row_length << ")";
+      if (row_length != 0)
+        failure << " (row " << i / row_length << ", col " << i % row_length << ")";
       failure << ": expected " << expected[i] << " (0x" << std::hex << bits(expected[i])
               << "), actual " << actual[i] << " (0x" << bits(actual[i]) << std::dec << ")";
     }
@@ -189,9 +191,10 @@ inline double relative_error(const std::vector<float>& a, const std::vector<doub
 }
 
 /// out[t, o] = sum_i a[t, i] * w[o, i] + bias[o], in double.
-inline std::vector<double> linear_reference(const std::vector<float>& a, const std::vector<float>& w,
-                                            const float* bias, std::int64_t tokens,
-                                            std::int64_t in, std::int64_t out) {
+inline std::vector<double> linear_reference(const std::vector<float>& a,
+                                            const std::vector<float>& w, const float* bias,
+                                            std::int64_t tokens, std::int64_t in,
+                                            std::int64_t out) {
   std::vector<double> r(static_cast<std::size_t>(tokens * out));
   for (std::int64_t t = 0; t < tokens; ++t) {
     for (std::int64_t o = 0; o < out; ++o) {

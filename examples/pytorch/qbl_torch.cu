@@ -150,8 +150,8 @@ struct Problem {
   std::vector<std::int64_t> out_sizes;  // x.shape[:-1] + (out,)
 };
 
-/// "[2, 5, 64]". Shapes and integers in messages are formatted here: on the H200's torch 2.11 build,
-/// passing an IntArrayRef or an int64_t to TORCH_CHECK's message crashed the process.
+/// "[2, 5, 64]". Shapes and integers in messages are formatted here: on the H200's torch 2.11
+/// build, passing an IntArrayRef or an int64_t to TORCH_CHECK's message crashed the process.
 inline std::string shape_str(c10::IntArrayRef sizes) {
   std::string s = "[";
   for (std::size_t i = 0; i < sizes.size(); ++i) {
@@ -183,15 +183,17 @@ inline Problem check_problem(const char* who, const at::Tensor& x, const at::Ten
                    x.scalar_type(), "; supported: ", supported_dtypes());
   TORCH_CHECK(x.is_contiguous(), who, ": x must be contiguous (call .contiguous())");
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3, who,
-              ": x must be 2-D [tokens, in] or 3-D [batch, seq, in], got shape ", shape_str(x.sizes()));
+              ": x must be 2-D [tokens, in] or 3-D [batch, seq, in], got shape ",
+              shape_str(x.sizes()));
   check_operand(who, logits, "logits", x);
   check_operand(who, weight, "weight", x);
 
   Problem p;
   p.in = x.size(-1);
   const auto lead = x.sizes().slice(0, static_cast<std::size_t>(x.dim() - 1));
-  TORCH_CHECK(logits.sizes() == lead, who, ": logits must have shape x.shape[:-1] = ", shape_str(lead),
-              ", got ", shape_str(logits.sizes()));
+  TORCH_CHECK(logits.sizes() == lead, who,
+              ": logits must have shape x.shape[:-1] = ", shape_str(lead), ", got ",
+              shape_str(logits.sizes()));
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == p.in, who,
               ": weight must be [out_features, in_features] with in_features = x.shape[-1] = ",
               std::to_string(p.in), ", got ", shape_str(weight.sizes()));
@@ -199,7 +201,8 @@ inline Problem check_problem(const char* who, const at::Tensor& x, const at::Ten
   if (bias.has_value() && bias->defined()) {
     check_operand(who, *bias, "bias", x);
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == p.out, who,
-                ": bias must be [out_features] = [", std::to_string(p.out), "] or None, got ", shape_str(bias->sizes()));
+                ": bias must be [out_features] = [", std::to_string(p.out), "] or None, got ",
+                shape_str(bias->sizes()));
   }
   p.tokens = 1;
   for (const std::int64_t s : lead) p.tokens *= s;
@@ -263,8 +266,8 @@ class TypedLayer final : public LayerBase {
   const float* device_scale() const override { return impl_.device_scale(); }
   const float* device_amax() const override { return impl_.device_amax(); }
   std::size_t workspace_bytes() const override {
-    return qbl::QuantBlendLinear<elem_t>::workspace_bytes(impl_.in_features(), impl_.out_features(), impl_.max_tokens(),
-                                                          impl_.options());
+    return qbl::QuantBlendLinear<elem_t>::workspace_bytes(impl_.in_features(), impl_.out_features(),
+                                                          impl_.max_tokens(), impl_.options());
   }
 
  private:
@@ -290,8 +293,8 @@ inline std::unique_ptr<LayerBase> make_typed_layer(at::ScalarType dtype, std::in
     default:
       break;
   }
-  TORCH_CHECK_TYPE(false, "qbl_torch: unsupported dtype ", dtype, "; supported: ",
-                   supported_dtypes());
+  TORCH_CHECK_TYPE(false, "qbl_torch: unsupported dtype ", dtype,
+                   "; supported: ", supported_dtypes());
   return nullptr;  // unreachable
 }
 
@@ -311,7 +314,8 @@ class Layer {
     TORCH_CHECK(in_features > 0 && out_features > 0,
                 "qbl_torch.Layer: in_features and out_features must be positive, got ",
                 std::to_string(in_features), " and ", std::to_string(out_features));
-    TORCH_CHECK(max_tokens > 0, "qbl_torch.Layer: max_tokens must be positive, got ", std::to_string(max_tokens));
+    TORCH_CHECK(max_tokens > 0, "qbl_torch.Layer: max_tokens must be positive, got ",
+                std::to_string(max_tokens));
     TORCH_CHECK_TYPE(is_supported_dtype(dtype), "qbl_torch.Layer: unsupported dtype ", dtype,
                      "; supported: ", supported_dtypes());
     device_ = c10::cuda::current_device();
@@ -348,8 +352,9 @@ class Layer {
                      const std::optional<at::Tensor>& bias) {
     constexpr const char* who = "qbl_torch.Layer.forward";
     const Problem p = check_problem(who, x, logits, weight, bias);
-    TORCH_CHECK(x.device().index() == device_, who, ": tensors are on ", x.device(),
-                " but the layer was constructed on cuda:", std::to_string(static_cast<int>(device_)));
+    TORCH_CHECK(
+        x.device().index() == device_, who, ": tensors are on ", x.device(),
+        " but the layer was constructed on cuda:", std::to_string(static_cast<int>(device_)));
     TORCH_CHECK_TYPE(x.scalar_type() == dtype_, who, ": tensors have dtype ", x.scalar_type(),
                      " but the layer was constructed for ", dtype_);
     TORCH_CHECK(p.in == in_ && p.out == out_, who, ": weight is [", std::to_string(p.out), ", ",
@@ -363,9 +368,9 @@ class Layer {
                  const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
     if (p.tokens == 0) return at::empty(p.out_sizes, x.options());
     if (p.tokens > max_tokens_) {
-      throw std::out_of_range("qbl_torch.Layer.forward: " + std::to_string(p.tokens) +
-                              " tokens exceed this layer's max_tokens = " +
-                              std::to_string(max_tokens_));
+      throw std::out_of_range(
+          "qbl_torch.Layer.forward: " + std::to_string(p.tokens) +
+          " tokens exceed this layer's max_tokens = " + std::to_string(max_tokens_));
     }
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device_).stream();
@@ -459,17 +464,17 @@ at::Tensor module_forward(const at::Tensor& x, const at::Tensor& logits, const a
   const CacheKey key = make_key(device, p.in, p.out, x.scalar_type(), allow_tf32);
   auto it = cache.find(key);
   if (it == cache.end() || it->second->max_tokens() < p.tokens) {
-    check_not_capturing(at::cuda::getCurrentCUDAStream(device).stream(),
-                        "creating or growing the cached qbl layer (to " +
-                            std::to_string(p.tokens) + " tokens)");
+    check_not_capturing(
+        at::cuda::getCurrentCUDAStream(device).stream(),
+        "creating or growing the cached qbl layer (to " + std::to_string(p.tokens) + " tokens)");
     if (it != cache.end()) {
       // Work already enqueued (on any stream) may still use the old layer's buffers: let it
       // finish before they are freed. Happens only when the token count grows.
       C10_CUDA_CHECK(cudaDeviceSynchronize());
       cache.erase(it);  // frees now unless Python still holds the old Layer
     }
-    auto layer = std::make_shared<Layer>(p.in, p.out, round_up_pow2(p.tokens), allow_tf32,
-                                         x.scalar_type());
+    auto layer =
+        std::make_shared<Layer>(p.in, p.out, round_up_pow2(p.tokens), allow_tf32, x.scalar_type());
     it = cache.emplace(key, std::move(layer)).first;
   }
   return it->second->run(p, x, logits, weight, bias);
@@ -531,9 +536,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "Layer",
       "One qbl::QuantBlendLinear (float32) on the current CUDA device, with its own workspace "
       "for up to max_tokens tokens. One instance serves one stream at a time.")
-      .def(py::init([](std::int64_t in_features, std::int64_t out_features,
-                       std::int64_t max_tokens, bool allow_tf32,
-                       std::optional<at::ScalarType> dtype) {
+      .def(py::init([](std::int64_t in_features, std::int64_t out_features, std::int64_t max_tokens,
+                       bool allow_tf32, std::optional<at::ScalarType> dtype) {
              return std::make_shared<Layer>(in_features, out_features, max_tokens, allow_tf32,
                                             dtype.value_or(at::kFloat));
            }),
@@ -556,8 +560,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("last_tokens", &Layer::last_tokens)
       .def_property_readonly("allow_tf32", &Layer::allow_tf32)
       .def_property_readonly("dtype", &Layer::dtype)
-      .def_property_readonly(
-          "device", [](const Layer& l) { return at::Device(at::kCUDA, l.device_index()); })
+      .def_property_readonly("device",
+                             [](const Layer& l) { return at::Device(at::kCUDA, l.device_index()); })
       .def_property_readonly("workspace_bytes", &Layer::workspace_bytes)
       .def("__repr__", [](const Layer& l) {
         return "qbl_torch.Layer(in_features=" + std::to_string(l.in_features()) +

@@ -1,13 +1,13 @@
 // qbl/element_math.cuh -- the per-element arithmetic, bit-for-bit what PyTorch eager computes.
 //
-// Every function here is __host__ __device__ so that the exact same expression is tested on the CPU.
-// The template parameter T is the tensor dtype (float, __nv_bfloat16, __half; float by default).
-// Eager computes each op in fp32 and rounds its result to T, op by op; so does every function here
-// (for T = float the rounding is the identity). Values of type T travel as the floats that hold them.
-// Each product, quotient and sum is rounded on its own (no fused multiply-add): on the device through
-// the __f*_rn intrinsics, which the compiler never contracts; on the host through plain IEEE
-// arithmetic (x86-64 does not contract unless FMA code generation and -ffp-contract=fast are both
-// enabled; qbl's own tests build with -ffp-contract=off).
+// Every function here is __host__ __device__ so that the exact same expression is tested on the
+// CPU. The template parameter T is the tensor dtype (float, __nv_bfloat16, __half; float by
+// default). Eager computes each op in fp32 and rounds its result to T, op by op; so does every
+// function here (for T = float the rounding is the identity). Values of type T travel as the floats
+// that hold them. Each product, quotient and sum is rounded on its own (no fused multiply-add): on
+// the device through the __f*_rn intrinsics, which the compiler never contracts; on the host
+// through plain IEEE arithmetic (x86-64 does not contract unless FMA code generation and
+// -ffp-contract=fast are both enabled; qbl's own tests build with -ffp-contract=off).
 //
 //   float scale = qbl::scale_from_amax(amax);                 // clamp(amax, 1e-8) * fl(1/127)
 //   float alpha = qbl::sigmoid(logit);                        // 1 / (1 + exp(-logit))
@@ -18,8 +18,8 @@
 #pragma once
 
 #include <qbl/detail/config.cuh>
-#include <qbl/options.hpp>
 #include <qbl/detail/vec.cuh>
+#include <qbl/options.hpp>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -111,8 +111,8 @@ QBL_HOST_DEVICE float round_to(float v) {
 }  // namespace detail
 
 /// The bits of |v| as an unsigned integer. For IEEE floats with the sign cleared, unsigned order is
-/// numeric order, and every NaN orders above +Inf: an unsigned max over these bits is a max over |x|
-/// that propagates NaN (which fmaxf and a float max would drop). -0.0 maps to 0.
+/// numeric order, and every NaN orders above +Inf: an unsigned max over these bits is a max over
+/// |x| that propagates NaN (which fmaxf and a float max would drop). -0.0 maps to 0.
 QBL_HOST_DEVICE std::uint32_t abs_bits(float v) { return detail::float_bits(v) & 0x7fffffffu; }
 
 /// The float whose bits `abs_bits` produced.
@@ -160,8 +160,9 @@ QBL_HOST_DEVICE float fake_quant(float x, float scale) {
 /// `one_minus_alpha` is passed in so that a caller can compute it once per token.
 template <typename T = float>
 QBL_HOST_DEVICE float blend(float x, float x_q, float alpha, float one_minus_alpha) {
-  return detail::round_to<T>(detail::add_rn(detail::round_to<T>(detail::mul_rn(alpha, x_q)),
-                                            detail::round_to<T>(detail::mul_rn(one_minus_alpha, x))));
+  return detail::round_to<T>(
+      detail::add_rn(detail::round_to<T>(detail::mul_rn(alpha, x_q)),
+                     detail::round_to<T>(detail::mul_rn(one_minus_alpha, x))));
 }
 
 /// mixed for one element, all steps.
@@ -184,7 +185,8 @@ template <typename T>
 QBL_HOST_DEVICE float grad_x_from(float g, float alpha, float one_minus_alpha, float zero_grad,
                                   QuantGrad mode) {
   const float direct = round_to<T>(mul_rn(g, one_minus_alpha));
-  const float other = mode == QuantGrad::straight_through ? round_to<T>(mul_rn(g, alpha)) : zero_grad;
+  const float other =
+      mode == QuantGrad::straight_through ? round_to<T>(mul_rn(g, alpha)) : zero_grad;
   return round_to<T>(add_rn(other, direct));
 }
 

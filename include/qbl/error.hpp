@@ -70,7 +70,8 @@ inline std::string where(const char* file, int line) {
   return std::string(file) + ":" + std::to_string(line);
 }
 
-[[noreturn]] inline void throw_cuda(cudaError_t code, const char* call, const char* file, int line) {
+[[noreturn]] inline void throw_cuda(cudaError_t code, const char* call, const char* file,
+                                    int line) {
   std::string msg = std::string("qbl: ") + call + " failed at " + where(file, line) + ": " +
                     cudaGetErrorName(code) + " (" + cudaGetErrorString(code) + ")";
   if (code == cudaErrorMemoryAllocation) throw out_of_memory(code, msg);
@@ -88,28 +89,28 @@ inline std::string where(const char* file, int line) {
 }  // namespace qbl
 
 /// Throws qbl::cuda_error (or qbl::out_of_memory) if `call` does not return cudaSuccess.
-#define QBL_CUDA_TRY(call)                                                        \
-  do {                                                                            \
-    const cudaError_t qbl_status_ = (call);                                       \
-    if (qbl_status_ != cudaSuccess) {                                             \
-      ::qbl::detail::throw_cuda(qbl_status_, #call, __FILE__, __LINE__);          \
-    }                                                                             \
+#define QBL_CUDA_TRY(call)                                               \
+  do {                                                                   \
+    const cudaError_t qbl_status_ = (call);                              \
+    if (qbl_status_ != cudaSuccess) {                                    \
+      ::qbl::detail::throw_cuda(qbl_status_, #call, __FILE__, __LINE__); \
+    }                                                                    \
   } while (0)
 
 /// Throws qbl::cublas_error if `call` does not return CUBLAS_STATUS_SUCCESS.
-#define QBL_CUBLAS_TRY(call)                                                      \
-  do {                                                                            \
-    const cublasStatus_t qbl_status_ = (call);                                    \
-    if (qbl_status_ != CUBLAS_STATUS_SUCCESS) {                                   \
-      ::qbl::detail::throw_cublas(qbl_status_, #call, __FILE__, __LINE__);        \
-    }                                                                             \
+#define QBL_CUBLAS_TRY(call)                                               \
+  do {                                                                     \
+    const cublasStatus_t qbl_status_ = (call);                             \
+    if (qbl_status_ != CUBLAS_STATUS_SUCCESS) {                            \
+      ::qbl::detail::throw_cublas(qbl_status_, #call, __FILE__, __LINE__); \
+    }                                                                      \
   } while (0)
 
 /// Throws `exception_type` with `message` and the location unless `condition` holds.
-#define QBL_EXPECTS(condition, exception_type, message)                                      \
-  do {                                                                                       \
-    if (!(condition)) {                                                                      \
-      throw exception_type(std::string("qbl: ") + (message) + " [" #condition "] at " +       \
-                           ::qbl::detail::where(__FILE__, __LINE__));                        \
-    }                                                                                        \
+#define QBL_EXPECTS(condition, exception_type, message)                                 \
+  do {                                                                                  \
+    if (!(condition)) {                                                                 \
+      throw exception_type(std::string("qbl: ") + (message) + " [" #condition "] at " + \
+                           ::qbl::detail::where(__FILE__, __LINE__));                   \
+    }                                                                                   \
   } while (0)

@@ -68,12 +68,12 @@ struct gemm_traits<__half> {
 
 /// What autotuning measured for one token-count bucket (16-byte-or-better aligned pointers).
 struct GemmTuning {
-  std::int64_t tokens = 0;      ///< the bucket's top token count, the size timed
-  bool bias = false;            ///< with the vector epilogue (bias, or bias gradient)
-  int candidates = 0;           ///< heuristic candidates that cuBLASLt accepted and were timed
-  int chosen = 0;               ///< heuristic rank of the fastest (0: cuBLASLt's first choice)
-  float first_ms = 0.0f;        ///< median time of the first-ranked candidate
-  float chosen_ms = 0.0f;       ///< median time of the chosen one
+  std::int64_t tokens = 0;  ///< the bucket's top token count, the size timed
+  bool bias = false;        ///< with the vector epilogue (bias, or bias gradient)
+  int candidates = 0;       ///< heuristic candidates that cuBLASLt accepted and were timed
+  int chosen = 0;           ///< heuristic rank of the fastest (0: cuBLASLt's first choice)
+  float first_ms = 0.0f;    ///< median time of the first-ranked candidate
+  float chosen_ms = 0.0f;   ///< median time of the chosen one
 };
 
 /// One cuBLASLt product, in cuBLASLt's column-major terms: D[m, n] = op(A)[m, k] · op(B)[k, n]
@@ -93,19 +93,32 @@ struct GemmSpec {
   /// nn.Linear's forward, out[t, o] = a[t, i] · w[o, i] + bias[o]: outᵀ = w(ᵀ) · aᵀ, the TN
   /// product PyTorch issues (A = w, B = a, D = out, vector = bias).
   static GemmSpec linear_forward(std::int64_t in_features, std::int64_t out_features) {
-    return {CUBLAS_OP_T, CUBLAS_OP_N, out_features, 0, in_features, Tokens::n, CUBLASLT_EPILOGUE_BIAS};
+    return {CUBLAS_OP_T, CUBLAS_OP_N, out_features,          0,
+            in_features, Tokens::n,   CUBLASLT_EPILOGUE_BIAS};
   }
   /// Its input gradient (dgrad), g_a[t, i] = g[t, o] · w[o, i]: the NN product (A = w, B = g,
   /// D = g_a).
   static GemmSpec linear_dgrad(std::int64_t in_features, std::int64_t out_features) {
-    return {CUBLAS_OP_N, CUBLAS_OP_N, in_features, 0, out_features, Tokens::n, CUBLASLT_EPILOGUE_DEFAULT};
+    return {CUBLAS_OP_N,
+            CUBLAS_OP_N,
+            in_features,
+            0,
+            out_features,
+            Tokens::n,
+            CUBLASLT_EPILOGUE_DEFAULT};
   }
   /// Its weight gradient (wgrad), g_w[o, i] = sum_t g[t, o] a[t, i]: the NT product (A = a,
   /// B = g, D = g_w) with the bias gradient sum_t g[t, o] from BGRADB (vector = grad_bias):
   /// the reduction runs over the GEMM's k, the tokens, on the B operand, which is g. (Not
   /// planned for in_features == 1: see GemmPlan's constructor.)
   static GemmSpec linear_wgrad(std::int64_t in_features, std::int64_t out_features) {
-    return {CUBLAS_OP_N, CUBLAS_OP_T, in_features, out_features, 0, Tokens::k, CUBLASLT_EPILOGUE_BGRADB};
+    return {CUBLAS_OP_N,
+            CUBLAS_OP_T,
+            in_features,
+            out_features,
+            0,
+            Tokens::k,
+            CUBLASLT_EPILOGUE_BGRADB};
   }
 };
 
@@ -166,7 +179,8 @@ class GemmPlan {
   static constexpr int align_classes = 5;
   static constexpr std::uint32_t class_bytes[align_classes] = {256u, 16u, 8u, 4u, 2u};
   static constexpr int first_trial_class = 2;
-  static int alignment_class(const void* a, const void* b, const void* vector, const void* d) noexcept;
+  static int alignment_class(const void* a, const void* b, const void* vector,
+                             const void* d) noexcept;
   std::size_t bucket_of(std::int64_t tokens) const noexcept;
 
   struct Plan {
@@ -180,8 +194,8 @@ class GemmPlan {
   bool valid_for_bucket(const cublasLtMatmulAlgo_t& algo, int vec, std::size_t i);
   cublasStatus_t launch(const cublasLtMatmulAlgo_t& algo, int vec, std::int64_t tokens, int cls,
                         Scratch& scratch);
-  float time_algo(const cublasLtMatmulAlgo_t& algo, int vec, std::int64_t tokens,
-                  Scratch& scratch, int reps);
+  float time_algo(const cublasLtMatmulAlgo_t& algo, int vec, std::int64_t tokens, Scratch& scratch,
+                  int reps);
   void warm_up(Scratch& scratch);
 
   GemmSpec spec_;
@@ -230,14 +244,17 @@ class LinearGemm {
   /// no algorithm at construction or refused it at the trial launch. Seen on an H200: bf16 and
   /// fp16 with an odd in_features, bf16 pointers aligned to 2 bytes only with a bias.
   /// Host-only, no CUDA call.
-  bool supports(const T* a, const T* w, const T* bias, const T* out, std::int64_t tokens) const noexcept {
+  bool supports(const T* a, const T* w, const T* bias, const T* out,
+                std::int64_t tokens) const noexcept {
     return plan_.supports(w, a, bias, out, tokens);
   }
 
   std::size_t workspace_bytes() const noexcept { return plan_.workspace_bytes(); }
   const std::vector<std::int64_t>& buckets() const noexcept { return plan_.buckets(); }
   const std::vector<GemmTuning>& tuning() const noexcept { return plan_.tuning(); }
-  std::string describe(std::int64_t tokens, bool bias) const { return plan_.describe(tokens, bias); }
+  std::string describe(std::int64_t tokens, bool bias) const {
+    return plan_.describe(tokens, bias);
+  }
   const GemmPlan<T>& plan() const noexcept { return plan_; }
 
   std::int64_t in_features() const noexcept { return plan_.spec().k; }

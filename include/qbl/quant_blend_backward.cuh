@@ -3,7 +3,8 @@
 // Given g_mixed = dL/dmixed [tokens, features] (the layer's dgrad GEMM, grad_out · weight), the
 // inputs of the forward and its scale, one launch computes
 //   grad_x[r, c]   = grad_x_value(g_mixed[r, c], alpha_r, 1 - alpha_r, scale, quant_grad)
-//   grad_logits[r] = grad_logit_value(grad_alpha_value(sum_c RN_T(g * x_q), sum_c RN_T(g * x)), alpha_r)
+//   grad_logits[r] = grad_logit_value(grad_alpha_value(sum_c RN_T(g * x_q), sum_c RN_T(g * x)),
+//   alpha_r)
 // with alpha_r = sigmoid(logits[r]) and x_q = fake_quant(x, scale): the autograd of the reference
 // module, op by op as eager rounds it (qbl/element_math.cuh). grad_x is bit-identical to eager's;
 // grad_logits differs from eager's only by the order of the two fp32 sums over the features.

@@ -6,9 +6,9 @@
 //   const float* d_scale = layer.device_scale();   // this forward's scale, still on the device
 //
 // It computes, bit for bit as PyTorch eager in fp32 up to the GEMM:
-//   alpha = sigmoid(logits); amax = max |x| (NaN-propagating); scale = clamp(amax, 1e-8) * fl(1/127)
-//   mixed = alpha * (clamp(round(x / scale), -127, 127) * scale) + (1 - alpha) * x
-//   out   = mixed · weightᵀ + bias
+//   alpha = sigmoid(logits); amax = max |x| (NaN-propagating); scale = clamp(amax, 1e-8) *
+//   fl(1/127) mixed = alpha * (clamp(round(x / scale), -127, 127) * scale) + (1 - alpha) * x out =
+//   mixed · weightᵀ + bias
 //
 // Training (Options::backward = true): forward() into caller-provided `mixed` and statistics
 // buffers, which a framework keeps per call, then backward() from them:
@@ -49,9 +49,9 @@
 namespace qbl {
 
 /// The fused quantize-blend-linear layer for element type T: float, __nv_bfloat16 or __half.
-/// For 16-bit T, every tensor (x, logits, weight, bias, out, mixed) is in T; each element op runs in
-/// fp32 and is rounded to T, as eager does; amax and scale are held in fp32 on the device, with the
-/// values eager's T tensors hold; the GEMM runs on the tensor cores with fp32 accumulation.
+/// For 16-bit T, every tensor (x, logits, weight, bias, out, mixed) is in T; each element op runs
+/// in fp32 and is rounded to T, as eager does; amax and scale are held in fp32 on the device, with
+/// the values eager's T tensors hold; the GEMM runs on the tensor cores with fp32 accumulation.
 template <typename T>
 class QuantBlendLinear {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, __nv_bfloat16> ||
@@ -105,10 +105,10 @@ class QuantBlendLinear {
 
   /// Where backward() writes; a null pointer skips that gradient and the work only it needs.
   struct Gradients {
-    T* x = nullptr;        ///< [tokens, in_features]
-    T* logits = nullptr;   ///< [tokens]
-    T* weight = nullptr;   ///< [out_features, in_features]
-    T* bias = nullptr;     ///< [out_features]
+    T* x = nullptr;       ///< [tokens, in_features]
+    T* logits = nullptr;  ///< [tokens]
+    T* weight = nullptr;  ///< [out_features, in_features]
+    T* bias = nullptr;    ///< [out_features]
     /// weight and bias: add to what they hold (cuBLASLt's beta = 1; the bias as
     /// RN_T(old + RN_T(sum))), as frameworks accumulate over micro-batches. x and logits are
     /// always overwritten.
@@ -149,7 +149,8 @@ class QuantBlendLinear {
   /// False: on the fallback kernel, because cuBLASLt has no algorithm for the shape (bf16/fp16
   /// with an odd in_features, on an H200) or for the pointers' alignment (bf16 at 2 bytes).
   /// Aligning weight, bias and out to 16 bytes avoids the second case.
-  bool uses_cublaslt(const T* weight, const T* bias, const T* out, std::int64_t tokens) const noexcept {
+  bool uses_cublaslt(const T* weight, const T* bias, const T* out,
+                     std::int64_t tokens) const noexcept {
     return gemm_.supports(mixed_.as<T>(), weight, bias, out, tokens);
   }
 

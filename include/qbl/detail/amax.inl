@@ -27,8 +27,9 @@ __device__ __forceinline__ std::uint32_t max_abs_bits(const Vec<T, N>& v, std::u
 /// middle as N-wide vectors, four independent loads in flight per iteration.
 /// `thread` / `threads` are this thread's rank and the count taking part.
 template <typename T, int N>
-__device__ __forceinline__ std::uint32_t thread_abs_max_bits(const T* __restrict__ x, std::int64_t n,
-                                                             std::int64_t head, std::int64_t thread,
+__device__ __forceinline__ std::uint32_t thread_abs_max_bits(const T* __restrict__ x,
+                                                             std::int64_t n, std::int64_t head,
+                                                             std::int64_t thread,
                                                              std::int64_t threads) {
   std::uint32_t m = 0;
   const std::int64_t nvec = (n - head) / N;
@@ -77,7 +78,8 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
 template <typename T>
 std::int64_t aligned_head(const T* x, std::int64_t n) {
   const auto misalign = reinterpret_cast<std::uintptr_t>(x) % 16;
-  const std::int64_t head = misalign == 0 ? 0 : static_cast<std::int64_t>((16 - misalign) / sizeof(T));
+  const std::int64_t head =
+      misalign == 0 ? 0 : static_cast<std::int64_t>((16 - misalign) / sizeof(T));
   return std::min(head, n);
 }
 
@@ -88,7 +90,8 @@ namespace qbl::detail {
 /// qbl::amax with the device's multiprocessor count given (QuantBlendLinear computes it once).
 template <typename T>
 cudaError_t amax_launch(const T* d_x, std::int64_t n, float* d_amax, int sms, cudaStream_t stream) {
-  if (n < 0 || (n > 0 && d_x == nullptr) || d_amax == nullptr || sms < 1) return cudaErrorInvalidValue;
+  if (n < 0 || (n > 0 && d_x == nullptr) || d_amax == nullptr || sms < 1)
+    return cudaErrorInvalidValue;
   QBL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_amax, 0, sizeof(float), stream));
   if (n == 0) return cudaSuccess;
 

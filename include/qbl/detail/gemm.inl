@@ -10,9 +10,9 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <type_traits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -161,10 +161,12 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
     pref_[cls].reset(p);
     detail::set_pref(p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes_);
     if (gemm_traits<T>::reduction_schemes != CUBLASLT_REDUCTION_SCHEME_MASK) {
-      detail::set_pref(p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, gemm_traits<T>::reduction_schemes);
+      detail::set_pref(p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                       gemm_traits<T>::reduction_schemes);
     }
-    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    for (auto attr :
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
       detail::set_pref(p, attr, class_bytes[cls]);
     }
   }
@@ -225,7 +227,8 @@ template <typename T>
 bool GemmPlan<T>::supports(const T* a, const T* b, const void* vector, const T* d,
                            std::int64_t tokens) const noexcept {
   if (tokens < 1 || tokens > max_tokens_ || plans_.empty()) return false;
-  return plans_[bucket_of(tokens)].found[vector != nullptr ? 1 : 0][alignment_class(a, b, vector, d)];
+  return plans_[bucket_of(tokens)]
+      .found[vector != nullptr ? 1 : 0][alignment_class(a, b, vector, d)];
 }
 
 template <typename T>
@@ -245,7 +248,8 @@ bool GemmPlan<T>::valid_for_bucket(const cublasLtMatmulAlgo_t& algo, int vec, st
     set_tokens(n);
     cublasLtMatmulHeuristicResult_t check = {};
     if (cublasLtMatmulAlgoCheck(handle_.get(), desc_[vec].get(), a_layout_.get(), b_layout_.get(),
-                                d_layout_.get(), d_layout_.get(), &algo, &check) != CUBLAS_STATUS_SUCCESS ||
+                                d_layout_.get(), d_layout_.get(), &algo,
+                                &check) != CUBLAS_STATUS_SUCCESS ||
         check.workspaceSize > workspace_bytes_) {
       return false;
     }
@@ -347,7 +351,8 @@ void GemmPlan<T>::plan_bucket(std::size_t i, Scratch& scratch) {
       for (int r = 0; r < found; ++r) {
         if (results[r].state != CUBLAS_STATUS_SUCCESS || !valid_for_bucket(results[r].algo, vec, i))
           continue;
-        if (trial && launch(results[r].algo, vec, lo, cls, scratch) != CUBLAS_STATUS_SUCCESS) continue;
+        if (trial && launch(results[r].algo, vec, lo, cls, scratch) != CUBLAS_STATUS_SUCCESS)
+          continue;
         valid.push_back(r);
         if (!tune) break;
       }
@@ -387,7 +392,8 @@ std::string GemmPlan<T>::describe(std::int64_t tokens, bool vector) const {
     // The size passed must be the attribute's own: ask for it first.
     std::size_t size = 0;
     std::uint64_t v = 0;
-    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, nullptr, 0, &size) != CUBLAS_STATUS_SUCCESS ||
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, nullptr, 0, &size) !=
+            CUBLAS_STATUS_SUCCESS ||
         size > sizeof v ||
         cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, size, &size) != CUBLAS_STATUS_SUCCESS)
       return -1;
@@ -418,8 +424,9 @@ cublasStatus_t GemmPlan<T>::run(const T* a, const T* b, T* d, const void* vector
   if (!plans_[bucket].found[vec][cls]) return CUBLAS_STATUS_NOT_SUPPORTED;
   const auto n = static_cast<std::uint64_t>(tokens);
   cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
-  for (auto [on, layout] : {std::pair{a_tokens_, a_layout_.get()}, std::pair{b_tokens_, b_layout_.get()},
-                            std::pair{d_tokens_, d_layout_.get()}}) {
+  for (auto [on, layout] :
+       {std::pair{a_tokens_, a_layout_.get()}, std::pair{b_tokens_, b_layout_.get()},
+        std::pair{d_tokens_, d_layout_.get()}}) {
     if (on && s == CUBLAS_STATUS_SUCCESS)
       s = cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_COLS, &n, sizeof n);
   }

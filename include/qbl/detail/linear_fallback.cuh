@@ -19,8 +19,8 @@
 
 namespace qbl::detail {
 
-inline constexpr int fallback_tile = 32;          // rows x cols per block, and the k step
-inline constexpr int fallback_threads = 256;      // 32 cols x 8 row groups, 4 rows each
+inline constexpr int fallback_tile = 32;      // rows x cols per block, and the k step
+inline constexpr int fallback_threads = 256;  // 32 cols x 8 row groups, 4 rows each
 inline constexpr int fallback_rows = fallback_threads / fallback_tile;
 
 /// Strides of the two operands of the fallback product (see the top of this file).
@@ -31,8 +31,9 @@ struct FallbackGemm {
 
 template <typename T>
 QBL_KERNEL void __launch_bounds__(fallback_threads)
-    gemm_fallback_kernel(const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ bias,
-                         T* __restrict__ d, FallbackGemm g, bool accumulate) {
+    gemm_fallback_kernel(const T* __restrict__ a, const T* __restrict__ b,
+                         const T* __restrict__ bias, T* __restrict__ d, FallbackGemm g,
+                         bool accumulate) {
   constexpr int tile = fallback_tile, per_thread = tile / fallback_rows;
   // +1 column: the inner loop reads b_tile down a column, a_tile along a row (broadcast).
   __shared__ float a_tile[tile][tile + 1];
@@ -55,7 +56,8 @@ QBL_KERNEL void __launch_bounds__(fallback_threads)
     for (int kk = 0; kk < tile; ++kk) {
       const float bv = b_tile[tx][kk];
 #pragma unroll
-      for (int i = 0; i < per_thread; ++i) acc[i] = fmaf(a_tile[ty + i * fallback_rows][kk], bv, acc[i]);
+      for (int i = 0; i < per_thread; ++i)
+        acc[i] = fmaf(a_tile[ty + i * fallback_rows][kk], bv, acc[i]);
     }
     __syncthreads();
   }
@@ -92,7 +94,8 @@ template <typename T>
 cudaError_t linear_fallback(const T* a, const T* w, const T* bias, T* out, std::int64_t tokens,
                             std::int64_t in, std::int64_t outs, cudaStream_t stream) {
   if (tokens < 0 || in <= 0 || outs <= 0) return cudaErrorInvalidValue;
-  return gemm_fallback(a, w, bias, out, FallbackGemm{tokens, outs, in, in, 1, in, 1}, false, stream);
+  return gemm_fallback(a, w, bias, out, FallbackGemm{tokens, outs, in, in, 1, in, 1}, false,
+                       stream);
 }
 
 }  // namespace qbl::detail

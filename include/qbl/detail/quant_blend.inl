@@ -60,8 +60,8 @@ struct GateTable {
 /// programmatic dependent of the amax kernel has its reads in flight while that kernel drains.
 template <typename T, int N, int THREADS, int U, typename GetScale>
 __device__ __forceinline__ void quant_blend_tiles(
-    const T* __restrict__ x, const T* __restrict__ logits, GetScale get_scale, T* __restrict__ mixed,
-    std::int64_t tokens, std::int64_t features, FastDiv cols_div,
+    const T* __restrict__ x, const T* __restrict__ logits, GetScale get_scale,
+    T* __restrict__ mixed, std::int64_t tokens, std::int64_t features, FastDiv cols_div,
     GateTable<QuantBlendMath<T, N>, THREADS, U>& table, unsigned block, unsigned blocks) {
   using Math = QuantBlendMath<T, N>;
   constexpr std::int64_t tile = std::int64_t{THREADS} * U;
@@ -92,7 +92,8 @@ __device__ __forceinline__ void quant_blend_tiles(
     }
     const std::int64_t last = (total - base < tile ? total - base : tile) - 1;
     const std::uint32_t rows = row_in_tile(offset + last) + 1;
-    for (std::uint32_t r = thread; r < rows; r += THREADS) table.gate[r] = Math::gate(logits[row + r]);
+    for (std::uint32_t r = thread; r < rows; r += THREADS)
+      table.gate[r] = Math::gate(logits[row + r]);
     __syncthreads();
     if (!have_scale) {
       math.set_scale(get_scale());
@@ -101,7 +102,8 @@ __device__ __forceinline__ void quant_blend_tiles(
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const std::int64_t g = base + thread + u * THREADS;
-      if (g < total) mv[g] = math.apply(in[u], table.gate[row_in_tile(offset + thread + u * THREADS)]);
+      if (g < total)
+        mv[g] = math.apply(in[u], table.gate[row_in_tile(offset + thread + u * THREADS)]);
     }
     __syncthreads();  // the next tile's gates overwrite this one's
     row += step_rows;
@@ -132,9 +134,8 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     return scale_from_amax<T>(*amax);
   };
   if (scale_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = get_scale();
-  quant_blend_tiles<T, N, BLOCK_THREADS, vectors_in_flight>(x, logits, get_scale, mixed, tokens,
-                                                           features, cols_div, table, blockIdx.x,
-                                                           gridDim.x);
+  quant_blend_tiles<T, N, BLOCK_THREADS, vectors_in_flight>(
+      x, logits, get_scale, mixed, tokens, features, cols_div, table, blockIdx.x, gridDim.x);
 }
 
 /// Both stages in one block: the amax never leaves shared memory before the blend reads it.
@@ -142,8 +143,8 @@ template <typename T, int BLOCK_THREADS, int N>
 QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     amax_quant_blend_single_block_kernel(const T* __restrict__ x, const T* __restrict__ logits,
                                          T* __restrict__ mixed, std::int64_t tokens,
-                                         std::int64_t features, std::int64_t head,
-                                         FastDiv cols_div, float* __restrict__ amax_out,
+                                         std::int64_t features, std::int64_t head, FastDiv cols_div,
+                                         float* __restrict__ amax_out,
                                          float* __restrict__ scale_out) {
   using BlockAmax = BlockAbsMax<T, BLOCK_THREADS>;
   __shared__ typename BlockAmax::TempStorage temp;
@@ -188,8 +189,9 @@ cudaError_t check_quant_blend_args(const T* x, const T* logits, const void* mixe
 /// What the launchers need to know of the device, asked once: QuantBlendLinear at construction,
 /// the free functions per call (they must work on whatever device is current).
 struct LaunchLimits {
-  int sms = 0;          ///< multiprocessors
-  int resident[2] = {}; ///< resident quant_blend_kernel blocks per multiprocessor: [scalar, vector]
+  int sms = 0;  ///< multiprocessors
+  int resident[2] =
+      {};  ///< resident quant_blend_kernel blocks per multiprocessor: [scalar, vector]
 };
 
 template <typename T, int N>
@@ -261,8 +263,8 @@ cudaError_t quant_blend_with(const T* d_x, const T* d_logits, const float* d_ama
     return launch_quant_blend<T, vec16<T>>(d_x, d_logits, d_amax, d_mixed, tokens, features,
                                            d_scale, limits, stream);
   }
-  return launch_quant_blend<T, 1>(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale,
-                                  limits, stream);
+  return launch_quant_blend<T, 1>(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, limits,
+                                  stream);
 }
 
 /// qbl::amax_quant_blend with the device's limits given (QuantBlendLinear asks for them once).
@@ -275,13 +277,14 @@ cudaError_t amax_quant_blend_with(const T* d_x, const T* d_logits, T* d_mixed, s
   if (tokens == 0) return cudaSuccess;
   const bool vec = rows_vectorizable(d_x, d_mixed, features);
   if (tokens * features <= amax_quant_blend_single_block_elements) {
-    return vec ? launch_single_block<T, vec16<T>>(d_x, d_logits, d_mixed, tokens, features,
-                                                  d_amax, d_scale, stream)
+    return vec ? launch_single_block<T, vec16<T>>(d_x, d_logits, d_mixed, tokens, features, d_amax,
+                                                  d_scale, stream)
                : launch_single_block<T, 1>(d_x, d_logits, d_mixed, tokens, features, d_amax,
                                            d_scale, stream);
   }
   QBL_CUDA_RETURN_IF_ERROR(amax_launch(d_x, tokens * features, d_amax, limits.sms, stream));
-  return quant_blend_with(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, limits, stream);
+  return quant_blend_with(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, limits,
+                          stream);
 }
 
 }  // namespace qbl::detail
@@ -292,7 +295,8 @@ template <typename T>
 cudaError_t quant_blend(const T* d_x, const T* d_logits, const float* d_amax, T* d_mixed,
                         std::int64_t tokens, std::int64_t features, float* d_scale,
                         cudaStream_t stream) {
-  QBL_CUDA_RETURN_IF_ERROR(detail::check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
+  QBL_CUDA_RETURN_IF_ERROR(
+      detail::check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
   if (d_amax == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
   detail::LaunchLimits limits;
@@ -305,7 +309,8 @@ template <typename T>
 cudaError_t amax_quant_blend(const T* d_x, const T* d_logits, T* d_mixed, std::int64_t tokens,
                              std::int64_t features, float* d_amax, float* d_scale,
                              cudaStream_t stream) {
-  QBL_CUDA_RETURN_IF_ERROR(detail::check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
+  QBL_CUDA_RETURN_IF_ERROR(
+      detail::check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
   if (d_amax == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
   detail::LaunchLimits limits;

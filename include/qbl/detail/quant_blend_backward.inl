@@ -25,8 +25,12 @@ struct QuantBlendGradMath {
   float scale, y, alpha, one_minus_alpha, zero_grad;
   QuantGrad mode;
   __device__ __forceinline__ QuantBlendGradMath(float s, float a, float oma, QuantGrad m)
-      : scale(s), y(code_reciprocal(s)), alpha(a), one_minus_alpha(oma),
-        zero_grad(zero_quant_grad(s)), mode(m) {}
+      : scale(s),
+        y(code_reciprocal(s)),
+        alpha(a),
+        one_minus_alpha(oma),
+        zero_grad(zero_quant_grad(s)),
+        mode(m) {}
   __device__ __forceinline__ void sums(const Vec<T, N>& g, const Vec<T, N>& x, float& sum_q,
                                        float& sum_x) const {
 #pragma unroll
@@ -40,7 +44,8 @@ struct QuantBlendGradMath {
     Vec<T, N> out;
 #pragma unroll
     for (int j = 0; j < N; ++j)
-      out.v[j] = from_float<T>(grad_x_from<T>(to_float(g.v[j]), alpha, one_minus_alpha, zero_grad, mode));
+      out.v[j] =
+          from_float<T>(grad_x_from<T>(to_float(g.v[j]), alpha, one_minus_alpha, zero_grad, mode));
     return out;
   }
 };
@@ -58,8 +63,10 @@ struct QuantBlendGradMath<T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && sizeof(
   T2 alpha2, one_minus_alpha2, zero_grad2;
   QuantGrad mode;
   __device__ __forceinline__ QuantBlendGradMath(float s, float a, float oma, QuantGrad m)
-      : alpha2(P::broadcast(a)), one_minus_alpha2(P::broadcast(oma)),
-        zero_grad2(P::broadcast(zero_quant_grad(s))), mode(m) {
+      : alpha2(P::broadcast(a)),
+        one_minus_alpha2(P::broadcast(oma)),
+        zero_grad2(P::broadcast(zero_quant_grad(s))),
+        mode(m) {
     forward.set_scale(s);
   }
   __device__ __forceinline__ void sums(const Vec<T, N>& g, const Vec<T, N>& x, float& sum_q,
@@ -82,7 +89,8 @@ struct QuantBlendGradMath<T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && sizeof(
 #pragma unroll
     for (int p = 0; p < pairs; ++p) {
       const T2 direct = P::mul(g2[p], one_minus_alpha2);
-      r[p] = P::add(mode == QuantGrad::straight_through ? P::mul(g2[p], alpha2) : zero_grad2, direct);
+      r[p] =
+          P::add(mode == QuantGrad::straight_through ? P::mul(g2[p], alpha2) : zero_grad2, direct);
     }
     Vec<T, N> out;
     std::memcpy(&out, r, sizeof out);
@@ -100,8 +108,8 @@ QBL_KERNEL void __launch_bounds__(backward_block_threads)
                                 const T* __restrict__ logits, const float* __restrict__ scale_in,
                                 T* grad_x, T* __restrict__ grad_logits, std::int64_t tokens,
                                 std::int64_t features, QuantGrad mode) {
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * backward_rows_per_block +
-                           threadIdx.x / 32;
+  const std::int64_t row =
+      static_cast<std::int64_t>(blockIdx.x) * backward_rows_per_block + threadIdx.x / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (row >= tokens) return;
   const std::int64_t cols = features / N;
@@ -129,7 +137,8 @@ QBL_KERNEL void __launch_bounds__(backward_block_threads)
     sum_q = add_rn(sum_q, __shfl_xor_sync(0xffffffffu, sum_q, offset));
     sum_x = add_rn(sum_x, __shfl_xor_sync(0xffffffffu, sum_x, offset));
   }
-  if (lane == 0) grad_logits[row] = from_float<T>(grad_logit_value<T>(grad_alpha_value<T>(sum_q, sum_x), alpha));
+  if (lane == 0)
+    grad_logits[row] = from_float<T>(grad_logit_value<T>(grad_alpha_value<T>(sum_q, sum_x), alpha));
 }
 
 template <typename T, int N>
@@ -139,13 +148,14 @@ cudaError_t launch_quant_blend_backward(const T* g_mixed, const T* x, const T* l
                                         cudaStream_t stream) {
   const std::int64_t blocks = ceil_div<std::int64_t>(tokens, backward_rows_per_block);
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  quant_blend_backward_kernel<T, N><<<static_cast<unsigned>(blocks), backward_block_threads, 0, stream>>>(
-      g_mixed, x, logits, scale, grad_x, grad_logits, tokens, features, mode);
+  quant_blend_backward_kernel<T, N>
+      <<<static_cast<unsigned>(blocks), backward_block_threads, 0, stream>>>(
+          g_mixed, x, logits, scale, grad_x, grad_logits, tokens, features, mode);
   return cudaGetLastError();
 }
 
-inline constexpr int bias_grad_cols = 32;   // columns per block, one per lane
-inline constexpr int bias_grad_rows = 32;   // row lanes per block, each summing every 32nd row
+inline constexpr int bias_grad_cols = 32;  // columns per block, one per lane
+inline constexpr int bias_grad_rows = 32;  // row lanes per block, each summing every 32nd row
 
 /// grad_bias[c] for 32 columns per block: 32 row lanes sum every 32nd row of their column in
 /// fp32, then lane 0 adds the 32 partial sums in order. Deterministic.
@@ -159,7 +169,8 @@ QBL_KERNEL void __launch_bounds__(bias_grad_cols* bias_grad_rows)
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * bias_grad_cols + tx;
   float s = 0.0f;
   if (c < outs)
-    for (std::int64_t r = ty; r < tokens; r += bias_grad_rows) s = add_rn(s, to_float(g[r * outs + c]));
+    for (std::int64_t r = ty; r < tokens; r += bias_grad_rows)
+      s = add_rn(s, to_float(g[r * outs + c]));
   partial[ty][tx] = s;
   __syncthreads();
   if (ty != 0 || c >= outs) return;
@@ -172,7 +183,8 @@ QBL_KERNEL void __launch_bounds__(bias_grad_cols* bias_grad_rows)
 
 /// grad_bias[c] = RN_T(grad_bias[c] + add[c]): autograd's accumulation of a parameter gradient.
 template <typename T>
-QBL_KERNEL void accumulate_kernel(T* __restrict__ grad_bias, const T* __restrict__ add, std::int64_t n) {
+QBL_KERNEL void accumulate_kernel(T* __restrict__ grad_bias, const T* __restrict__ add,
+                                  std::int64_t n) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) grad_bias[i] = from_float<T>(add_rn(to_float(grad_bias[i]), to_float(add[i])));
 }
@@ -204,12 +216,12 @@ cudaError_t quant_blend_backward(const T* d_g_mixed, const T* d_x, const T* d_lo
   const bool vec = features % N == 0 && detail::is_aligned(d_g_mixed, 16) &&
                    (d_grad_logits == nullptr || detail::is_aligned(d_x, 16)) &&
                    (d_grad_x == nullptr || detail::is_aligned(d_grad_x, 16));
-  return vec ? detail::launch_quant_blend_backward<T, N>(d_g_mixed, d_x, d_logits, d_scale, d_grad_x,
-                                                         d_grad_logits, tokens, features, quant_grad,
-                                                         stream)
-             : detail::launch_quant_blend_backward<T, 1>(d_g_mixed, d_x, d_logits, d_scale, d_grad_x,
-                                                         d_grad_logits, tokens, features, quant_grad,
-                                                         stream);
+  return vec ? detail::launch_quant_blend_backward<T, N>(d_g_mixed, d_x, d_logits, d_scale,
+                                                         d_grad_x, d_grad_logits, tokens, features,
+                                                         quant_grad, stream)
+             : detail::launch_quant_blend_backward<T, 1>(d_g_mixed, d_x, d_logits, d_scale,
+                                                         d_grad_x, d_grad_logits, tokens, features,
+                                                         quant_grad, stream);
 }
 
 template <typename T>
@@ -220,9 +232,9 @@ cudaError_t bias_grad(const T* d_grad_out, T* d_grad_bias, std::int64_t tokens, 
   if (d_grad_out == nullptr || d_grad_bias == nullptr) return cudaErrorInvalidValue;
   const std::int64_t blocks = detail::ceil_div<std::int64_t>(outs, detail::bias_grad_cols);
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  detail::bias_grad_kernel<T><<<static_cast<unsigned>(blocks),
-                                detail::bias_grad_cols * detail::bias_grad_rows, 0, stream>>>(
-      d_grad_out, d_grad_bias, tokens, outs, accumulate);
+  detail::bias_grad_kernel<T>
+      <<<static_cast<unsigned>(blocks), detail::bias_grad_cols * detail::bias_grad_rows, 0,
+         stream>>>(d_grad_out, d_grad_bias, tokens, outs, accumulate);
   return cudaGetLastError();
 }
 

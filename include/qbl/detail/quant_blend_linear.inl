@@ -19,10 +19,10 @@ inline bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::siz
 
 inline std::size_t checked_bytes(std::int64_t rows, std::int64_t cols, std::size_t elem) {
   QBL_EXPECTS(rows >= 0 && cols >= 0, qbl::invalid_argument, "sizes must be non-negative");
-  QBL_EXPECTS(cols == 0 || static_cast<std::uint64_t>(rows) <=
-                               std::numeric_limits<std::size_t>::max() / elem /
-                                   static_cast<std::uint64_t>(cols),
-              qbl::invalid_argument, "size overflows size_t");
+  QBL_EXPECTS(
+      cols == 0 || static_cast<std::uint64_t>(rows) <= std::numeric_limits<std::size_t>::max() /
+                                                           elem / static_cast<std::uint64_t>(cols),
+      qbl::invalid_argument, "size overflows size_t");
   return static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols) * elem;
 }
 
@@ -52,8 +52,8 @@ std::size_t QuantBlendLinear<T>::workspace_bytes(std::int64_t in_features,
                                                  std::int64_t out_features, std::int64_t max_tokens,
                                                  const Options& options) {
   const std::size_t rows = detail::checked_bytes(max_tokens, in_features, sizeof(T));
-  const std::size_t backward = rows + detail::checked_bytes(out_features, 1, sizeof(T)) +
-                               options.cublas_workspace_bytes;
+  const std::size_t backward =
+      rows + detail::checked_bytes(out_features, 1, sizeof(T)) + options.cublas_workspace_bytes;
   return stats_bytes + rows + options.cublas_workspace_bytes + (options.backward ? backward : 0);
 }
 
@@ -71,8 +71,10 @@ QuantBlendLinear<T>::QuantBlendLinear(std::int64_t in_features, std::int64_t out
       gemm_(in_features, out_features, max_tokens, options) {
   QBL_CUDA_TRY(detail::launch_limits<T>(&limits_));
   if (options.backward) {
-    dgrad_ = std::make_unique<GemmPlan<T>>(GemmSpec::linear_dgrad(in_, out_), max_tokens_, options_);
-    wgrad_ = std::make_unique<GemmPlan<T>>(GemmSpec::linear_wgrad(in_, out_), max_tokens_, options_);
+    dgrad_ =
+        std::make_unique<GemmPlan<T>>(GemmSpec::linear_dgrad(in_, out_), max_tokens_, options_);
+    wgrad_ =
+        std::make_unique<GemmPlan<T>>(GemmSpec::linear_wgrad(in_, out_), max_tokens_, options_);
     g_mixed_ = detail::device_buffer(detail::checked_bytes(max_tokens, in_features, sizeof(T)));
     bias_scratch_ = detail::device_buffer(detail::checked_bytes(out_features, 1, sizeof(T)));
     side_workspace_ = detail::device_buffer(options.cublas_workspace_bytes);
@@ -107,11 +109,12 @@ void QuantBlendLinear<T>::check_forward(const T* x, const T* logits, const T* we
                 "pointers must be aligned to the element size");
   }
   const std::size_t out_bytes = detail::checked_bytes(tokens, out_, sizeof(T));
-  QBL_EXPECTS(!detail::overlaps(out, out_bytes, x, detail::checked_bytes(tokens, in_, sizeof(T))) &&
-                  !detail::overlaps(out, out_bytes, logits, detail::checked_bytes(tokens, 1, sizeof(T))) &&
-                  !detail::overlaps(out, out_bytes, weight, detail::checked_bytes(out_, in_, sizeof(T))) &&
-                  !detail::overlaps(out, out_bytes, bias, detail::checked_bytes(out_, 1, sizeof(T))),
-              qbl::invalid_argument, "out must not overlap x, logits, weight or bias");
+  QBL_EXPECTS(
+      !detail::overlaps(out, out_bytes, x, detail::checked_bytes(tokens, in_, sizeof(T))) &&
+          !detail::overlaps(out, out_bytes, logits, detail::checked_bytes(tokens, 1, sizeof(T))) &&
+          !detail::overlaps(out, out_bytes, weight, detail::checked_bytes(out_, in_, sizeof(T))) &&
+          !detail::overlaps(out, out_bytes, bias, detail::checked_bytes(out_, 1, sizeof(T))),
+      qbl::invalid_argument, "out must not overlap x, logits, weight or bias");
   QBL_EXPECTS(detail::current_device() == device_, qbl::invalid_argument,
               "forward() must run on the device the layer was constructed on");
 }
@@ -133,7 +136,8 @@ void QuantBlendLinear<T>::run_forward(const T* x, const T* logits, const T* weig
 template <typename T>
 void QuantBlendLinear<T>::forward(const T* x, const T* logits, const T* weight, const T* bias,
                                   T* out, std::int64_t tokens, cudaStream_t stream) {
-  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error, "forward() on a moved-from QuantBlendLinear");
+  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error,
+              "forward() on a moved-from QuantBlendLinear");
   QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
   QBL_EXPECTS(tokens <= max_tokens_, qbl::out_of_range, "tokens exceeds max_tokens");
   if (tokens == 0) return;
@@ -145,7 +149,8 @@ template <typename T>
 void QuantBlendLinear<T>::forward(const T* x, const T* logits, const T* weight, const T* bias,
                                   T* out, std::int64_t tokens, T* mixed, float* stats,
                                   cudaStream_t stream) {
-  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error, "forward() on a moved-from QuantBlendLinear");
+  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error,
+              "forward() on a moved-from QuantBlendLinear");
   QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
   QBL_EXPECTS(tokens <= max_tokens_, qbl::out_of_range, "tokens exceeds max_tokens");
   if (tokens == 0) return;
@@ -161,7 +166,8 @@ void QuantBlendLinear<T>::forward(const T* x, const T* logits, const T* weight, 
                           {weight, detail::checked_bytes(out_, in_, sizeof(T))},
                           {bias, detail::checked_bytes(out_, 1, sizeof(T))},
                           {out, detail::checked_bytes(tokens, out_, sizeof(T))}}) {
-    QBL_EXPECTS(!detail::overlaps(mixed, mixed_bytes, p, bytes) && !detail::overlaps(stats, n_stats, p, bytes),
+    QBL_EXPECTS(!detail::overlaps(mixed, mixed_bytes, p, bytes) &&
+                    !detail::overlaps(stats, n_stats, p, bytes),
                 qbl::invalid_argument, "mixed and stats must not overlap an input or out");
   }
   QBL_EXPECTS(!detail::overlaps(mixed, mixed_bytes, stats, n_stats), qbl::invalid_argument,
@@ -173,7 +179,8 @@ template <typename T>
 void QuantBlendLinear<T>::backward(const T* grad_out, const T* x, const T* logits, const T* weight,
                                    const T* mixed, const float* stats, std::int64_t tokens,
                                    const Gradients& grads, cudaStream_t stream) {
-  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error, "backward() on a moved-from QuantBlendLinear");
+  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error,
+              "backward() on a moved-from QuantBlendLinear");
   QBL_EXPECTS(has_backward(), qbl::logic_error,
               "backward() needs a QuantBlendLinear constructed with Options::backward = true");
   QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
@@ -211,11 +218,11 @@ void QuantBlendLinear<T>::backward(const T* grad_out, const T* x, const T* logit
                          {dgrad ? weight : nullptr, w_bytes},
                          {want_weight ? mixed : nullptr, x_bytes},
                          {dgrad ? stats : nullptr, s_bytes}};
-  const Span outputs[] = {{grads.x, x_bytes}, {grads.logits, t_bytes}, {grads.weight, w_bytes},
-                          {grads.bias, b_bytes}};
+  const Span outputs[] = {
+      {grads.x, x_bytes}, {grads.logits, t_bytes}, {grads.weight, w_bytes}, {grads.bias, b_bytes}};
   for (const Span& s : inputs)
-    QBL_EXPECTS(detail::is_aligned(s.p, s.p == stats ? sizeof(float) : sizeof(T)), qbl::invalid_argument,
-                "pointers must be aligned to the element size");
+    QBL_EXPECTS(detail::is_aligned(s.p, s.p == stats ? sizeof(float) : sizeof(T)),
+                qbl::invalid_argument, "pointers must be aligned to the element size");
   for (const Span& o : outputs) {
     QBL_EXPECTS(detail::is_aligned(o.p, sizeof(T)), qbl::invalid_argument,
                 "pointers must be aligned to the element size");
@@ -245,19 +252,23 @@ void QuantBlendLinear<T>::backward(const T* grad_out, const T* x, const T* logit
     const float beta = grads.accumulate ? 1.0f : 0.0f;
     T* bias_out = want_bias ? (grads.accumulate ? bias_scratch_.as<T>() : grads.bias) : nullptr;
     if (wgrad_->supports(mixed, grad_out, bias_out, grads.weight, tokens)) {
-      QBL_CUBLAS_TRY(wgrad_->run(mixed, grad_out, grads.weight, bias_out, tokens, beta, wws, wstream));
+      QBL_CUBLAS_TRY(
+          wgrad_->run(mixed, grad_out, grads.weight, bias_out, tokens, beta, wws, wstream));
       if (bias_out != nullptr && grads.accumulate)
-        QBL_CUDA_TRY(detail::accumulate_into(grads.bias, static_cast<const T*>(bias_out), out_, wstream));
+        QBL_CUDA_TRY(
+            detail::accumulate_into(grads.bias, static_cast<const T*>(bias_out), out_, wstream));
       want_bias = false;
     } else if (wgrad_->supports(mixed, grad_out, nullptr, grads.weight, tokens)) {
-      QBL_CUBLAS_TRY(wgrad_->run(mixed, grad_out, grads.weight, nullptr, tokens, beta, wws, wstream));
+      QBL_CUBLAS_TRY(
+          wgrad_->run(mixed, grad_out, grads.weight, nullptr, tokens, beta, wws, wstream));
     } else {
-      QBL_CUDA_TRY(detail::gemm_fallback(grad_out, mixed, static_cast<const T*>(nullptr), grads.weight,
-                                         detail::FallbackGemm{out_, in_, tokens, 1, out_, 1, in_},
-                                         grads.accumulate, wstream));
+      QBL_CUDA_TRY(detail::gemm_fallback(
+          grad_out, mixed, static_cast<const T*>(nullptr), grads.weight,
+          detail::FallbackGemm{out_, in_, tokens, 1, out_, 1, in_}, grads.accumulate, wstream));
     }
   }
-  if (want_bias) QBL_CUDA_TRY(bias_grad(grad_out, grads.bias, tokens, out_, grads.accumulate, wstream));
+  if (want_bias)
+    QBL_CUDA_TRY(bias_grad(grad_out, grads.bias, tokens, out_, grads.accumulate, wstream));
   if (fork) QBL_CUDA_TRY(cudaEventRecord(join_.get(), wstream));
   if (dgrad) {
     // dgrad: g_mixed = grad_out · weight, formed where grad_x goes (the element kernel then works

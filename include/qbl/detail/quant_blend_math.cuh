@@ -143,7 +143,9 @@ template <>
 struct Pair<__half> {
   using type = __half2;
   static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
-  static __device__ __forceinline__ type from_floats(float a, float b) { return __floats2half2_rn(a, b); }
+  static __device__ __forceinline__ type from_floats(float a, float b) {
+    return __floats2half2_rn(a, b);
+  }
   static __device__ __forceinline__ type broadcast(float v) { return __float2half2_rn(v); }
   static __device__ __forceinline__ type mul(type a, type b) { return __hmul2_rn(a, b); }
   static __device__ __forceinline__ type add(type a, type b) { return __hadd2_rn(a, b); }
@@ -190,7 +192,9 @@ struct QuantBlendMath {
 template <int N>
 struct QuantBlendMath<float, N, std::enable_if_t<(N > 1)>> {
   using Gate = typename QuantBlendMath<float, 1>::Gate;
-  static __device__ __forceinline__ Gate gate(float logit) { return QuantBlendMath<float, 1>::gate(logit); }
+  static __device__ __forceinline__ Gate gate(float logit) {
+    return QuantBlendMath<float, 1>::gate(logit);
+  }
   float scale = 0.0f, y = 0.0f;
   __device__ __forceinline__ void set_scale(float s) {
     scale = s;

@@ -10,9 +10,10 @@ std::size_t default_workspace();
 int main() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    std::printf("qbl_consumer: built and linked against qbl; no CUDA device, so no forward run "
-                "(workspace default %zu)\n",
-                default_workspace());
+    std::printf(
+        "qbl_consumer: built and linked against qbl; no CUDA device, so no forward run "
+        "(workspace default %zu)\n",
+        default_workspace());
     return 0;
   }
   const int tokens = 4, in = 8, out = 8;
