@@ -1,7 +1,6 @@
 // bench_train.cuh -- qbl_bench's training items: QuantBlendLinear<T>'s forward + backward next to
-// a floor made of bare cuBLASLt products. A part of bench.cu, which includes it after its checking
-// macros, device buffers, element conversions, random fills, cuBLASLt helpers and timer (all used
-// here); it does not compile on its own.
+// a floor made of bare cuBLASLt products (bench_gemm.hpp). Their results go into Row::train
+// (bench_results.hpp).
 //
 // Items, timed side by side with the forward's items of the same shape and dtype (one round
 // robin, same warm-up, same median of per-run event times):
@@ -36,54 +35,36 @@
 // fp64 sum of grad_out when there is no BGRADB), and grad_x with qbl::grad_x_value applied on the
 // host to bare_dgrad's g_mixed (alpha from the host's expf, which may differ from the device's in
 // the last place) -- each as max|diff| / max|ref|. The check reports; it does not stop the run.
+#pragma once
+
+#include <qbl/qbl.cuh>
+
+#include <cuda_runtime.h>
+
+#include <cinttypes>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "bench_check.hpp"
+#include "bench_gemm.hpp"
+#include "bench_inputs.cuh"
+#include "bench_memory.hpp"
+#include "bench_report.hpp"
+#include "bench_results.hpp"
+#include "bench_timing.hpp"
 
 namespace {
 
-enum TrainItem { train_item, train_graph_item, bare_dgrad_item, bare_wgrad_item, train_item_count };
-const char* const train_item_names[train_item_count] = {"train", "train_graph", "bare_dgrad",
-                                                        "bare_wgrad"};
-
-// What the training items measured and checked for one shape and dtype.
-struct TrainRow {
-  Timing t[train_item_count];
-  bool bgradb = false;  // bare_wgrad ran with the BGRADB epilogue
-  bool mixed_bit_equal = false;
-  double grad_x_rel_diff = NAN, grad_weight_rel_diff = NAN, grad_bias_rel_diff = NAN;
-  double tolerance = NAN;                       // of the three rel diffs, for this dtype
-  std::int64_t unwritten = -1, nonfinite = -1;  // elements of out and the four gradients
-  int graph_bit_equal = -1;                     // -1: no graph
-  std::string dgrad_algo, wgrad_algo;
-  std::string skipped;  // why the items did not run when they were asked for
-
-  bool timed() const { return t[train_item].valid(); }
-  double ms(TrainItem i) const { return t[i].median_ms; }
-  bool check_ok() const {
-    auto within = [&](double v) { return v <= tolerance; };  // false for NaN
-    return unwritten == 0 && nonfinite == 0 && mixed_bit_equal && within(grad_x_rel_diff) &&
-           within(grad_weight_rel_diff) && within(grad_bias_rel_diff) && graph_bit_equal != 0;
-  }
-};
-
-void report_train(const char* dtype, TrainItem i, const Timing& t) {
-  std::printf("  %-4s %-15s median %9.4f ms  min %9.4f ms  (%d runs)\n", dtype, train_item_names[i],
-              t.median_ms, t.min_ms, t.runs);
-  std::fflush(stdout);
-}
-
-// The rotating input sets of one shape: set k at x + (k % count) * x_stride, likewise logits.
-template <typename T>
-struct InputSets {
-  const char* x = nullptr;
-  const char* logits = nullptr;
-  std::size_t x_stride = 0, l_stride = 0, count = 1;
-
-  const T* x_of(std::size_t k) const {
-    return reinterpret_cast<const T*>(x + (k % count) * x_stride);
-  }
-  const T* logits_of(std::size_t k) const {
-    return reinterpret_cast<const T*>(logits + (k % count) * l_stride);
-  }
-};
+using qbl::detail::from_float;  // element <-> float through the named intrinsics
+using qbl::detail::to_float;
 
 template <typename T>
 std::vector<T> download(const T* d, std::size_t count) {
@@ -97,8 +78,8 @@ template <typename T>
 double max_rel_diff(const std::vector<T>& a, const std::vector<T>& ref) {
   double max_diff = 0.0, max_ref = 0.0;
   for (std::size_t i = 0; i < a.size() && i < ref.size(); ++i) {
-    const double r = to_f32(ref[i]);
-    const double diff = std::fabs(static_cast<double>(to_f32(a[i])) - r);
+    const double r = to_float(ref[i]);
+    const double diff = std::fabs(static_cast<double>(to_float(a[i])) - r);
     if (std::isnan(diff)) return NAN;
     max_diff = std::max(max_diff, diff);
     max_ref = std::max(max_ref, std::fabs(r));
@@ -113,95 +94,8 @@ void count_bad(const std::vector<T>& v, std::int64_t& unwritten, std::int64_t& n
   std::memset(poison, 0xff, sizeof poison);
   for (const T& e : v) {
     if (std::memcmp(&e, poison, sizeof(T)) == 0) ++unwritten;
-    if (!std::isfinite(to_f32(e))) ++nonfinite;
+    if (!std::isfinite(to_float(e))) ++nonfinite;
   }
-}
-
-// One bare cuBLASLt product D = op(A) · op(B) (+ a vector epilogue) over contiguous column-major
-// operands in T, planned once: the top heuristic result for the exact shape.
-struct BareSpec {
-  cublasOperation_t ta, tb;
-  std::int64_t a_rows, a_cols, b_rows, b_cols, d_rows, d_cols;  // as stored, ld = rows
-  cublasLtEpilogue_t epilogue;
-};
-
-template <typename T>
-class BareProduct {
- public:
-  // `vector`: the epilogue's vector (bias gradient), fixed for every run; nullptr without one.
-  // found() is false when cuBLASLt's heuristic offers no algorithm; run() must not be called then.
-  BareProduct(const BareSpec& spec, void* vector, cublasComputeType_t compute)
-      : workspace_(gemm_workspace_bytes) {
-    constexpr cudaDataType_t type = cuda_data_type<T>();
-    handle_ = make_lt_handle();
-    desc_ = make_lt_desc(compute);
-    set_desc(CUBLASLT_MATMUL_DESC_TRANSA, spec.ta);
-    set_desc(CUBLASLT_MATMUL_DESC_TRANSB, spec.tb);
-    set_desc(CUBLASLT_MATMUL_DESC_EPILOGUE, spec.epilogue);
-    if (spec.epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
-      set_desc(CUBLASLT_MATMUL_DESC_BIAS_POINTER, vector);
-      if (type != CUDA_R_32F) {
-        set_desc(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<std::int32_t>(type));
-      }
-    }
-    a_ = make_lt_layout(type, spec.a_rows, spec.a_cols);
-    b_ = make_lt_layout(type, spec.b_rows, spec.b_cols);
-    d_ = make_lt_layout(type, spec.d_rows, spec.d_cols);
-    pref_ = make_bare_preference<T>();
-    cublasLtMatmulHeuristicResult_t result = {};
-    int found = 0;
-    const cublasStatus_t st =
-        cublasLtMatmulAlgoGetHeuristic(handle_.get(), desc_.get(), a_.get(), b_.get(), d_.get(),
-                                       d_.get(), pref_.get(), 1, &result, &found);
-    if (st == CUBLAS_STATUS_NOT_SUPPORTED) return;  // no algorithm for this configuration
-    if (st != CUBLAS_STATUS_SUCCESS) {
-      die("cublasLtMatmulAlgoGetHeuristic (bare training product)", cublasLtGetStatusString(st),
-          __FILE__, __LINE__);
-    }
-    found_ = found >= 1 && result.state == CUBLAS_STATUS_SUCCESS;
-    algo_ = result.algo;
-  }
-  BareProduct(const BareProduct&) = delete;
-  BareProduct& operator=(const BareProduct&) = delete;
-
-  bool found() const { return found_; }
-  std::string describe() const { return found_ ? algo_summary(algo_) : std::string("none"); }
-
-  void run(const T* a, const T* b, T* d, cudaStream_t s) {
-    if (!found_) die("BareProduct::run", "no cuBLASLt algorithm was found", __FILE__, __LINE__);
-    const float one = 1.0f, zero = 0.0f;
-    CUBLAS_CHECK(cublasLtMatmul(handle_.get(), desc_.get(), &one, a, a_.get(), b, b_.get(), &zero,
-                                d, d_.get(), d, d_.get(), &algo_, workspace_.as<void>(),
-                                gemm_workspace_bytes, s));
-  }
-
- private:
-  template <typename V>
-  void set_desc(cublasLtMatmulDescAttributes_t attr, const V& v) {
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc_.get(), attr, &v, sizeof v));
-  }
-
-  DeviceBuffer workspace_;
-  qbl::detail::lt_handle handle_;  // declared first: destroyed last
-  qbl::detail::lt_matmul_desc desc_;
-  qbl::detail::lt_layout a_, b_, d_;
-  qbl::detail::lt_preference pref_;
-  cublasLtMatmulAlgo_t algo_ = {};
-  bool found_ = false;
-};
-
-// Row-major g_mixed[tokens, in] = g[tokens, out] · W[out, in] as the column-major product
-// g_mixedᵀ (in x tokens) = Wᵀ-view (in x out, ld in) · gᵀ-view (out x tokens, ld out): NN.
-inline BareSpec dgrad_spec(std::int64_t in, std::int64_t out, std::int64_t tokens) {
-  return {CUBLAS_OP_N, CUBLAS_OP_N, in, out, out, tokens, in, tokens, CUBLASLT_EPILOGUE_DEFAULT};
-}
-
-// Row-major grad_W[out, in] = gᵀ · mixed as the column-major product grad_Wᵀ (in x out) =
-// mixedᵀ-view (in x tokens) · (gᵀ-view (out x tokens))ᵀ: NT, k = tokens. BGRADB reduces B (g)
-// over k: grad_bias[o] = sum_t g[t, o].
-inline BareSpec wgrad_spec(std::int64_t in, std::int64_t out, std::int64_t tokens,
-                           cublasLtEpilogue_t epilogue) {
-  return {CUBLAS_OP_N, CUBLAS_OP_T, in, tokens, out, tokens, in, out, epilogue};
 }
 
 // Everything the training items of one shape and dtype need. Construction builds the layer for
@@ -313,7 +207,8 @@ class TrainBench {
     const qbl::GemmPlan<T>& dp = *layer_.dgrad_plan();
     const qbl::GemmPlan<T>& wp = *layer_.wgrad_plan();
     const bool d_lt = dp.supports(w_, g_.as<T>(), nullptr, grad_x_.as<T>(), tokens_);
-    const bool w_lt = wp.supports(mixed_.as<T>(), g_.as<T>(), grad_b_.as<T>(), grad_w_.as<T>(), tokens_);
+    const bool w_lt =
+        wp.supports(mixed_.as<T>(), g_.as<T>(), grad_b_.as<T>(), grad_w_.as<T>(), tokens_);
     std::printf("  %-4s layer forward: %s (%s); dgrad: %s (%s); wgrad+BGRADB: %s (%s)\n", dt,
                 layer_.uses_cublaslt(w_, bias_, out_.as<T>(), tokens_) ? "cuBLASLt" : "FALLBACK",
                 layer_.gemm().describe(tokens_, bias_ != nullptr).c_str(),
@@ -394,7 +289,7 @@ class TrainBench {
     return o;
   }
   static cublasComputeType_t compute_type(bool tf32) {
-    return tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    return qbl::gemm_traits<T>::compute_type(training_options(tf32));
   }
 
   // The timed step: forward into the caller buffers, then the backward from them (input set k).
@@ -422,9 +317,9 @@ class TrainBench {
   std::vector<T> host_bias_grad() const {
     const std::vector<T> g = download(g_.as<T>(), static_cast<std::size_t>(n_));
     std::vector<double> sum(static_cast<std::size_t>(d_), 0.0);
-    for (std::size_t i = 0; i < g.size(); ++i) sum[i % sum.size()] += to_f32(g[i]);
+    for (std::size_t i = 0; i < g.size(); ++i) sum[i % sum.size()] += to_float(g[i]);
     std::vector<T> r(sum.size());
-    for (std::size_t o = 0; o < sum.size(); ++o) r[o] = from_f32<T>(static_cast<float>(sum[o]));
+    for (std::size_t o = 0; o < sum.size(); ++o) r[o] = from_float<T>(static_cast<float>(sum[o]));
     return r;
   }
 
@@ -438,11 +333,11 @@ class TrainBench {
     std::vector<T> r(g_mixed.size());
     const auto d = static_cast<std::size_t>(d_);
     for (std::size_t t = 0; t < logits.size(); ++t) {
-      const float alpha = qbl::sigmoid<T>(to_f32(logits[t]));
+      const float alpha = qbl::sigmoid<T>(to_float(logits[t]));
       const float one_minus_alpha = qbl::one_minus<T>(alpha);
       for (std::size_t i = t * d; i < (t + 1) * d; ++i) {
-        r[i] = from_f32<T>(qbl::grad_x_value<T>(to_f32(g_mixed[i]), alpha, one_minus_alpha, scale,
-                                                qbl::QuantGrad::zero));
+        r[i] = from_float<T>(qbl::grad_x_value<T>(to_float(g_mixed[i]), alpha, one_minus_alpha,
+                                                  scale, qbl::QuantGrad::zero));
       }
     }
     return r;
