@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -32,7 +33,8 @@ struct Buffers {
   void upload(std::uint64_t seed) {
     EXPECT_EQ(qbl_test::to_device(x.get(), qbl_test::randn(tokens * in, seed)), cudaSuccess);
     EXPECT_EQ(qbl_test::to_device(l.get(), qbl_test::randn(tokens, seed + 1, 2.0f)), cudaSuccess);
-    EXPECT_EQ(qbl_test::to_device(w.get(), qbl_test::randn(out * in, seed + 2, 0.05f)), cudaSuccess);
+    EXPECT_EQ(qbl_test::to_device(w.get(), qbl_test::randn(out * in, seed + 2, 0.05f)),
+              cudaSuccess);
     EXPECT_EQ(qbl_test::to_device(b.get(), qbl_test::randn(out, seed + 3)), cudaSuccess);
   }
   void forward(Layer& layer, cudaStream_t s = nullptr) {
@@ -43,7 +45,9 @@ struct Buffers {
     EXPECT_EQ(qbl_test::to_host(r, y.get()), cudaSuccess);
     return r;
   }
-  cudaError_t poison() { return cudaMemset(y.get(), qbl_test::poison_byte, y.size() * sizeof(float)); }
+  cudaError_t poison() {
+    return cudaMemset(y.get(), qbl_test::poison_byte, y.size() * sizeof(float));
+  }
 };
 
 // ---- bad input: each case throws its type before anything is launched ---------------------
@@ -59,38 +63,113 @@ TEST(QuantBlendLinearBadInput, EveryCaseThrowsItsTypeAndLeavesOutUntouched) {
   Buffers buf(300, 128, 64, qbl_test::fresh_seed());
   auto odd = [](float* p) { return reinterpret_cast<float*>(reinterpret_cast<char*>(p) + 2); };
   const std::vector<BadCase> cases = {
-      {"null x", [](Layer& L, Buffers& B) { L.forward(nullptr, B.l.get(), B.w.get(), B.b.get(), B.y.get(), B.tokens); }, BadCase::invalid},
-      {"null logits", [](Layer& L, Buffers& B) { L.forward(B.x.get(), nullptr, B.w.get(), B.b.get(), B.y.get(), B.tokens); }, BadCase::invalid},
-      {"null weight", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), nullptr, B.b.get(), B.y.get(), B.tokens); }, BadCase::invalid},
-      {"null out", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), nullptr, B.tokens); }, BadCase::invalid},
-      {"misaligned x", [&](Layer& L, Buffers& B) { L.forward(odd(B.x.get()), B.l.get(), B.w.get(), B.b.get(), B.y.get(), B.tokens); }, BadCase::invalid},
-      {"misaligned logits", [&](Layer& L, Buffers& B) { L.forward(B.x.get(), odd(B.l.get()), B.w.get(), B.b.get(), B.y.get(), B.tokens); }, BadCase::invalid},
-      {"misaligned weight", [&](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), odd(B.w.get()), B.b.get(), B.y.get(), B.tokens); }, BadCase::invalid},
-      {"misaligned bias", [&](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), odd(B.b.get()), B.y.get(), B.tokens); }, BadCase::invalid},
-      {"misaligned out", [&](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), odd(B.y.get()), B.tokens); }, BadCase::invalid},
-      {"negative tokens", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.y.get(), -1); }, BadCase::invalid},
-      {"tokens > max_tokens", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.y.get(), L.max_tokens() + 1); }, BadCase::range},
-      {"out is x", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.x.get(), B.tokens); }, BadCase::invalid},
-      {"out overlaps x", [](Layer& L, Buffers& B) { L.forward(B.x.get() + 64, B.l.get(), B.w.get(), B.b.get(), B.x.get(), B.tokens); }, BadCase::invalid},
-      {"out overlaps weight", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.w.get() + 4, B.tokens); }, BadCase::invalid},
-      {"out overlaps logits", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.l.get(), B.tokens); }, BadCase::invalid},
-      {"out overlaps bias", [](Layer& L, Buffers& B) { L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.b.get(), B.tokens); }, BadCase::invalid},
-      {"use after move", [](Layer& L, Buffers& B) { Layer taken = std::move(L); L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.y.get(), B.tokens); }, BadCase::logic},
+      {"null x",
+       [](Layer& L, Buffers& B) {
+         L.forward(nullptr, B.l.get(), B.w.get(), B.b.get(), B.y.get(), B.tokens);
+       },
+       BadCase::invalid},
+      {"null logits",
+       [](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), nullptr, B.w.get(), B.b.get(), B.y.get(), B.tokens);
+       },
+       BadCase::invalid},
+      {"null weight",
+       [](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), B.l.get(), nullptr, B.b.get(), B.y.get(), B.tokens);
+       },
+       BadCase::invalid},
+      {"null out",
+       [](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), nullptr, B.tokens);
+       },
+       BadCase::invalid},
+      {"misaligned x",
+       [&](Layer& L, Buffers& B) {
+         L.forward(odd(B.x.get()), B.l.get(), B.w.get(), B.b.get(), B.y.get(), B.tokens);
+       },
+       BadCase::invalid},
+      {"misaligned logits",
+       [&](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), odd(B.l.get()), B.w.get(), B.b.get(), B.y.get(), B.tokens);
+       },
+       BadCase::invalid},
+      {"misaligned weight",
+       [&](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), B.l.get(), odd(B.w.get()), B.b.get(), B.y.get(), B.tokens);
+       },
+       BadCase::invalid},
+      {"misaligned bias",
+       [&](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), B.l.get(), B.w.get(), odd(B.b.get()), B.y.get(), B.tokens);
+       },
+       BadCase::invalid},
+      {"misaligned out",
+       [&](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), odd(B.y.get()), B.tokens);
+       },
+       BadCase::invalid},
+      {"negative tokens",
+       [](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.y.get(), -1);
+       },
+       BadCase::invalid},
+      {"tokens > max_tokens",
+       [](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.y.get(), L.max_tokens() + 1);
+       },
+       BadCase::range},
+      {"out is x",
+       [](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.x.get(), B.tokens);
+       },
+       BadCase::invalid},
+      {"out overlaps x",
+       [](Layer& L, Buffers& B) {
+         L.forward(B.x.get() + 64, B.l.get(), B.w.get(), B.b.get(), B.x.get(), B.tokens);
+       },
+       BadCase::invalid},
+      {"out overlaps weight",
+       [](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.w.get() + 4, B.tokens);
+       },
+       BadCase::invalid},
+      {"out overlaps logits",
+       [](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.l.get(), B.tokens);
+       },
+       BadCase::invalid},
+      {"out overlaps bias",
+       [](Layer& L, Buffers& B) {
+         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.b.get(), B.tokens);
+       },
+       BadCase::invalid},
+      {"use after move",
+       [](Layer& L, Buffers& B) {
+         Layer taken = std::move(L);
+         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.y.get(), B.tokens);
+       },
+       BadCase::logic},
   };
-  ASSERT_GE(cases.size(), 15u);
   for (const BadCase& c : cases) {
     SCOPED_TRACE(c.name);
     Layer layer(128, 64, 512);
     ASSERT_EQ(buf.poison(), cudaSuccess);
     switch (c.expect) {
-      case BadCase::invalid: EXPECT_THROW(c.call(layer, buf), qbl::invalid_argument); break;
-      case BadCase::range: EXPECT_THROW(c.call(layer, buf), qbl::out_of_range); break;
-      case BadCase::logic: EXPECT_THROW(c.call(layer, buf), qbl::logic_error); break;
+      case BadCase::invalid:
+        EXPECT_THROW(c.call(layer, buf), qbl::invalid_argument);
+        break;
+      case BadCase::range:
+        EXPECT_THROW(c.call(layer, buf), qbl::out_of_range);
+        break;
+      case BadCase::logic:
+        EXPECT_THROW(c.call(layer, buf), qbl::logic_error);
+        break;
     }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<float> y(buf.y.size());
     ASSERT_EQ(qbl_test::to_host(y, buf.y.get()), cudaSuccess);
-    for (std::size_t i = 0; i < y.size(); ++i) ASSERT_EQ(bits(y[i]), 0xffffffffu) << "out written at " << i;
+    for (std::size_t i = 0; i < y.size(); ++i)
+      ASSERT_EQ(bits(y[i]), 0xffffffffu) << "out written at " << i;
   }
 }
 
@@ -101,6 +180,238 @@ TEST(QuantBlendLinearBadInput, WorkspaceThatCannotBeAllocatedIsOutOfMemory) {
   cudaGetLastError();
   Layer fine(16, 16, 16);  // the device is still usable
   EXPECT_EQ(fine.max_tokens(), 16);
+}
+
+// The same matrix for every element type, through both forward overloads: a pointer offset by
+// one byte is misaligned for every T; the caller-buffer forward adds its own cases. `out` (and
+// the caller's mixed and stats) keep their poison.
+template <typename T>
+class QuantBlendLinearBadInputTyped : public ::testing::Test {};
+using AllTypes = ::testing::Types<float, __nv_bfloat16, __half>;
+struct AllTypeNames {
+  template <typename T>
+  static std::string GetName(int) {
+    return std::is_same_v<T, float> ? "fp32" : (std::is_same_v<T, __half> ? "fp16" : "bf16");
+  }
+};
+TYPED_TEST_SUITE(QuantBlendLinearBadInputTyped, AllTypes, AllTypeNames);
+
+TYPED_TEST(QuantBlendLinearBadInputTyped, EveryCaseThrowsItsTypeAndWritesNothing) {
+  QBL_REQUIRE_GPU();
+  using T = TypeParam;
+  using L = qbl::QuantBlendLinear<T>;
+  const std::int64_t tokens = 300, in = 128, out = 64;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  qbl_test::DeviceArray<T> x(tokens * in + 8), l(tokens + 8), w(out * in + 8), b(out + 8),
+      y(tokens * out + 8), m(tokens * in + 8);
+  qbl_test::DeviceArray<float> st(8);
+  QBL_ASSERT_CUDA(
+      qbl_test::to_device(x.get(), qbl_test::convert<T>(qbl_test::randn(tokens * in, seed))));
+  QBL_ASSERT_CUDA(
+      qbl_test::to_device(l.get(), qbl_test::convert<T>(qbl_test::randn(tokens, seed + 1))));
+  QBL_ASSERT_CUDA(
+      qbl_test::to_device(w.get(), qbl_test::convert<T>(qbl_test::randn(out * in, seed + 2))));
+  QBL_ASSERT_CUDA(
+      qbl_test::to_device(b.get(), qbl_test::convert<T>(qbl_test::randn(out, seed + 3))));
+  auto odd = [](auto* p) {
+    using P = std::remove_pointer_t<decltype(p)>;
+    return reinterpret_cast<P*>(reinterpret_cast<char*>(p) + 1);
+  };
+  enum Expect { invalid, range, logic };
+  struct Case {
+    const char* name;
+    std::function<void(L&)> call;
+    Expect expect;
+  };
+  T *X = x.get(), *Lg = l.get(), *W = w.get(), *B = b.get(), *Y = y.get(), *M = m.get();
+  float* S = st.get();
+  const std::vector<Case> cases = {
+      {"null x", [&](L& a) { a.forward(nullptr, Lg, W, B, Y, tokens); }, invalid},
+      {"null logits", [&](L& a) { a.forward(X, nullptr, W, B, Y, tokens); }, invalid},
+      {"null weight", [&](L& a) { a.forward(X, Lg, nullptr, B, Y, tokens); }, invalid},
+      {"null out", [&](L& a) { a.forward(X, Lg, W, B, nullptr, tokens); }, invalid},
+      {"misaligned x", [&](L& a) { a.forward(odd(X), Lg, W, B, Y, tokens); }, invalid},
+      {"misaligned logits", [&](L& a) { a.forward(X, odd(Lg), W, B, Y, tokens); }, invalid},
+      {"misaligned weight", [&](L& a) { a.forward(X, Lg, odd(W), B, Y, tokens); }, invalid},
+      {"misaligned bias", [&](L& a) { a.forward(X, Lg, W, odd(B), Y, tokens); }, invalid},
+      {"misaligned out", [&](L& a) { a.forward(X, Lg, W, B, odd(Y), tokens); }, invalid},
+      {"negative tokens", [&](L& a) { a.forward(X, Lg, W, B, Y, -1); }, invalid},
+      {"tokens > max_tokens", [&](L& a) { a.forward(X, Lg, W, B, Y, a.max_tokens() + 1); }, range},
+      {"out is x", [&](L& a) { a.forward(X, Lg, W, B, X, tokens); }, invalid},
+      {"out overlaps weight", [&](L& a) { a.forward(X, Lg, W, B, W + 4, tokens); }, invalid},
+      {"out overlaps logits", [&](L& a) { a.forward(X, Lg, W, B, Lg, tokens); }, invalid},
+      {"out overlaps bias", [&](L& a) { a.forward(X, Lg, W, B, B, tokens); }, invalid},
+      {"use after move",
+       [&](L& a) {
+         L taken = std::move(a);
+         a.forward(X, Lg, W, B, Y, tokens);
+       },
+       logic},
+      {"caller buffers: null mixed", [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, nullptr, S); },
+       invalid},
+      {"caller buffers: null stats", [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, M, nullptr); },
+       invalid},
+      {"caller buffers: misaligned mixed",
+       [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, odd(M), S); }, invalid},
+      {"caller buffers: misaligned stats",
+       [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, M, odd(S)); }, invalid},
+      {"caller buffers: mixed is x", [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, X, S); },
+       invalid},
+      {"caller buffers: mixed overlaps out",
+       [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, Y + 1, S); }, invalid},
+      {"caller buffers: stats in weight",
+       [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, M, reinterpret_cast<float*>(W)); }, invalid},
+      {"caller buffers: stats in mixed",
+       [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, M, reinterpret_cast<float*>(M)); }, invalid},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    L layer(in, out, 512);
+    for (auto [p, n] : {std::pair<void*, std::size_t>{Y, y.size() * sizeof(T)},
+                        {M, m.size() * sizeof(T)},
+                        {S, st.size() * sizeof(float)}})
+      QBL_ASSERT_CUDA(cudaMemset(p, qbl_test::poison_byte, n));
+    switch (c.expect) {
+      case invalid:
+        EXPECT_THROW(c.call(layer), qbl::invalid_argument);
+        break;
+      case range:
+        EXPECT_THROW(c.call(layer), qbl::out_of_range);
+        break;
+      case logic:
+        EXPECT_THROW(c.call(layer), qbl::logic_error);
+        break;
+    }
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    for (auto [p, n] : {std::pair<const void*, std::size_t>{Y, y.size() * sizeof(T)},
+                        {M, m.size() * sizeof(T)},
+                        {S, st.size() * sizeof(float)}}) {
+      std::vector<unsigned char> bytes(n);
+      QBL_ASSERT_CUDA(cudaMemcpy(bytes.data(), p, n, cudaMemcpyDeviceToHost));
+      for (std::size_t i = 0; i < n; ++i)
+        ASSERT_EQ(bytes[i], qbl_test::poison_byte) << "written at byte " << i;
+    }
+  }
+}
+
+// ---- forward and backward allocate nothing and never synchronize --------------------------
+// A capture in cudaStreamCaptureModeGlobal prohibits every potentially unsafe call during it:
+// cudaMalloc, synchronous copies and memsets, stream, event and device synchronization all fail
+// the capture. Forward (both overloads) and backward captured that way must end the capture
+// cleanly, and the graph must reproduce the direct calls bit for bit. The first part shows that
+// the mode does catch an allocation (so the check can fail).
+TEST(QuantBlendLinearCapture, ForwardAndBackwardAllocateNothingAndNeverSynchronize) {
+  QBL_REQUIRE_GPU();
+  cudaStream_t s = nullptr;
+  QBL_ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  {  // the control: an allocation inside a global-mode capture is refused
+    QBL_ASSERT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    void* p = nullptr;
+    EXPECT_NE(cudaMalloc(&p, 256), cudaSuccess) << "the capture mode let an allocation through";
+    cudaGraph_t g = nullptr;
+    EXPECT_NE(cudaStreamEndCapture(s, &g), cudaSuccess);
+    if (g != nullptr) cudaGraphDestroy(g);
+    if (p != nullptr) cudaFree(p);
+    cudaGetLastError();
+  }
+  const std::int64_t tokens = 96, in = 160, out = 72;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Buffers io(tokens, in, out, seed);
+  qbl_test::DeviceArray<float> go(tokens * out), mixed(tokens * in), stats(2), y2(tokens * out),
+      gx(tokens * in), gl(tokens), gw(out * in), gb(out);
+  QBL_ASSERT_CUDA(qbl_test::to_device(go.get(), qbl_test::randn(tokens * out, seed + 7)));
+  qbl::Options o;
+  o.backward = true;
+  Layer layer(in, out, tokens, o);
+  Layer::Gradients g;
+  g.x = gx.get(), g.logits = gl.get(), g.weight = gw.get(), g.bias = gb.get();
+  auto step = [&] {
+    io.forward(layer, s);
+    layer.forward(io.x.get(), io.l.get(), io.w.get(), io.b.get(), y2.get(), tokens, mixed.get(),
+                  stats.get(), s);
+    layer.backward(go.get(), io.x.get(), io.l.get(), io.w.get(), mixed.get(), stats.get(), tokens,
+                   g, s);
+  };
+  auto fetch = [&] {
+    std::vector<std::vector<float>> r;
+    for (auto* a : {&io.y, &y2, &gx, &gl, &gw, &gb}) {
+      r.emplace_back(a->size());
+      EXPECT_EQ(qbl_test::to_host(r.back(), a->get()), cudaSuccess);
+    }
+    return r;
+  };
+  step();
+  QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
+  const auto want = fetch();
+  for (auto* a : {&io.y, &y2, &gx, &gl, &gw, &gb})
+    QBL_ASSERT_CUDA(cudaMemset(a->get(), qbl_test::poison_byte, a->size() * sizeof(float)));
+  QBL_ASSERT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  step();
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess) << "an unsafe call broke the capture";
+  cudaGraphExec_t exec = nullptr;
+  QBL_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  QBL_ASSERT_CUDA(cudaGraphLaunch(exec, s));
+  QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
+  const auto got = fetch();
+  const char* names[] = {"out",         "out (caller buffers)", "grad_x",
+                         "grad_logits", "grad_weight",          "grad_bias"};
+  for (std::size_t i = 0; i < want.size(); ++i)
+    EXPECT_TRUE(qbl_test::bits_equal(got[i], want[i])) << names[i];
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+// Options::cublas_workspace_bytes = 0: the GEMMs plan among algorithms that need no workspace;
+// forward and backward must still be right (against an instance with the default workspace, to
+// the GEMMs' accuracy: cuBLASLt may choose other algorithms and sum in another order).
+TEST(QuantBlendLinearOptions, ZeroCublasWorkspaceStillComputesEverything) {
+  QBL_REQUIRE_GPU();
+  const std::int64_t tokens = 200, in = 256, out = 96;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Buffers io(tokens, in, out, seed);
+  qbl_test::DeviceArray<float> go(tokens * out), mixed(tokens * in), stats(2), gx(tokens * in),
+      gl(tokens), gw(out * in), gb(out);
+  QBL_ASSERT_CUDA(qbl_test::to_device(go.get(), qbl_test::randn(tokens * out, seed + 7)));
+  auto run = [&](std::size_t workspace) {
+    qbl::Options o;
+    o.backward = true;
+    o.cublas_workspace_bytes = workspace;
+    Layer layer(in, out, tokens, o);
+    EXPECT_EQ(
+        Layer::workspace_bytes(in, out, tokens, o),
+        2 * sizeof(float) + 2 * tokens * in * sizeof(float) + out * sizeof(float) + 2 * workspace);
+    Layer::Gradients g;
+    g.x = gx.get(), g.logits = gl.get(), g.weight = gw.get(), g.bias = gb.get();
+    for (auto* a : {&io.y, &gx, &gl, &gw, &gb})
+      EXPECT_EQ(cudaMemset(a->get(), qbl_test::poison_byte, a->size() * sizeof(float)),
+                cudaSuccess);
+    layer.forward(io.x.get(), io.l.get(), io.w.get(), io.b.get(), io.y.get(), tokens, mixed.get(),
+                  stats.get());
+    layer.backward(go.get(), io.x.get(), io.l.get(), io.w.get(), mixed.get(), stats.get(), tokens,
+                   g);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<std::vector<float>> r;
+    for (auto* a : {&io.y, &gx, &gl, &gw, &gb}) {
+      r.emplace_back(a->size());
+      EXPECT_EQ(qbl_test::to_host(r.back(), a->get()), cudaSuccess);
+    }
+    return r;
+  };
+  const auto want = run(qbl::Options{}.cublas_workspace_bytes);
+  const auto got = run(0);
+  const char* names[] = {"out", "grad_x", "grad_logits", "grad_weight", "grad_bias"};
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    SCOPED_TRACE(names[i]);
+    std::vector<double> ref(want[i].begin(), want[i].end());
+    for (std::size_t k = 0; k < got[i].size(); ++k)
+      ASSERT_FALSE(std::isnan(got[i][k])) << "unwritten " << k;
+    // grad_logits differences of nearly equal sums amplify the GEMM's last-bit differences.
+    EXPECT_LT(qbl_test::relative_error(got[i], ref), i == 2 ? 1e-3 : 1e-5);
+  }
 }
 
 // ---- graphs, concurrency, determinism -------------------------------------------------------
@@ -114,21 +425,25 @@ TEST(QuantBlendLinearGraph, TenThousandReplaysWithChangingInputsGiveTheDirectRes
   SCOPED_TRACE("seed " + std::to_string(seed));
   constexpr int sets = 4;
   const std::int64_t tokens = 64, in = 256, out = 128;
-  const std::size_t nx = static_cast<std::size_t>(tokens * in), ny = static_cast<std::size_t>(tokens * out);
+  const std::size_t nx = static_cast<std::size_t>(tokens * in),
+                    ny = static_cast<std::size_t>(tokens * out);
   Buffers a(tokens, in, out, seed), b(tokens, in, out, seed + 100);  // both forwards use a's w, b
   std::vector<std::unique_ptr<qbl_test::DeviceArray<float>>> xs, ls;
   for (int k = 0; k < sets; ++k) {
     xs.push_back(std::make_unique<qbl_test::DeviceArray<float>>(nx));
     ls.push_back(std::make_unique<qbl_test::DeviceArray<float>>(static_cast<std::size_t>(tokens)));
     QBL_ASSERT_CUDA(qbl_test::to_device(xs[k]->get(), qbl_test::randn(nx, seed + 10 * k + 1000)));
-    QBL_ASSERT_CUDA(qbl_test::to_device(ls[k]->get(), qbl_test::randn(tokens, seed + 10 * k + 1001, 2.0f)));
+    QBL_ASSERT_CUDA(
+        qbl_test::to_device(ls[k]->get(), qbl_test::randn(tokens, seed + 10 * k + 1001, 2.0f)));
   }
   Layer layer(in, out, tokens);
   cudaStream_t s = nullptr;
   QBL_ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   auto load = [&](Buffers& dst, int k) {
-    QBL_ASSERT_CUDA(cudaMemcpyAsync(dst.x.get(), xs[k]->get(), nx * sizeof(float), cudaMemcpyDeviceToDevice, s));
-    QBL_ASSERT_CUDA(cudaMemcpyAsync(dst.l.get(), ls[k]->get(), tokens * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    QBL_ASSERT_CUDA(cudaMemcpyAsync(dst.x.get(), xs[k]->get(), nx * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, s));
+    QBL_ASSERT_CUDA(cudaMemcpyAsync(dst.l.get(), ls[k]->get(), tokens * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, s));
   };
   auto forward = [&](Buffers& io) {
     layer.forward(io.x.get(), io.l.get(), a.w.get(), a.b.get(), io.y.get(), tokens, s);
@@ -138,7 +453,8 @@ TEST(QuantBlendLinearGraph, TenThousandReplaysWithChangingInputsGiveTheDirectRes
   for (int k = 0; k < sets; ++k) {
     load(a, k);
     forward(a);
-    QBL_ASSERT_CUDA(cudaMemcpyAsync(want[k].data(), a.y.get(), ny * sizeof(float), cudaMemcpyDeviceToHost, s));
+    QBL_ASSERT_CUDA(
+        cudaMemcpyAsync(want[k].data(), a.y.get(), ny * sizeof(float), cudaMemcpyDeviceToHost, s));
   }
   QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
   EXPECT_FALSE(qbl_test::bits_equal(want[0], want[1])) << "different inputs, same output";
@@ -162,8 +478,10 @@ TEST(QuantBlendLinearGraph, TenThousandReplaysWithChangingInputsGiveTheDirectRes
     QBL_ASSERT_CUDA(cudaMemsetAsync(b.y.get(), qbl_test::poison_byte, ny * sizeof(float), s));
     QBL_ASSERT_CUDA(cudaGraphLaunch(exec, s));
     if (rep < 10 || rep % 100 == 99) {  // a full comparison every 100 replays
-      QBL_ASSERT_CUDA(cudaMemcpyAsync(got_a.data(), a.y.get(), ny * sizeof(float), cudaMemcpyDeviceToHost, s));
-      QBL_ASSERT_CUDA(cudaMemcpyAsync(got_b.data(), b.y.get(), ny * sizeof(float), cudaMemcpyDeviceToHost, s));
+      QBL_ASSERT_CUDA(
+          cudaMemcpyAsync(got_a.data(), a.y.get(), ny * sizeof(float), cudaMemcpyDeviceToHost, s));
+      QBL_ASSERT_CUDA(
+          cudaMemcpyAsync(got_b.data(), b.y.get(), ny * sizeof(float), cudaMemcpyDeviceToHost, s));
       QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
       const bool ok = std::memcmp(got_a.data(), want[ka].data(), ny * sizeof(float)) == 0 &&
                       std::memcmp(got_b.data(), want[kb].data(), ny * sizeof(float)) == 0;
@@ -193,7 +511,8 @@ TEST(QuantBlendLinearConcurrency, FourThreadsWithOwnInstancesMatchSerialRuns) {
   std::vector<std::unique_ptr<Layer>> layers;
   std::vector<std::vector<float>> serial;
   for (int j = 0; j < 4; ++j) {
-    bufs.push_back(std::make_unique<Buffers>(jobs[j].tokens, jobs[j].in, jobs[j].out, seed + 10 * j));
+    bufs.push_back(
+        std::make_unique<Buffers>(jobs[j].tokens, jobs[j].in, jobs[j].out, seed + 10 * j));
     qbl::Options o;
     o.autotune = false;
     layers.push_back(std::make_unique<Layer>(jobs[j].in, jobs[j].out, jobs[j].tokens, o));
@@ -215,7 +534,8 @@ TEST(QuantBlendLinearConcurrency, FourThreadsWithOwnInstancesMatchSerialRuns) {
       std::vector<float> got(serial[j].size());
       for (int rep = 0; rep < reps; ++rep) {
         bufs[j]->forward(*layers[j], s);
-        cudaMemcpyAsync(got.data(), bufs[j]->y.get(), got.size() * sizeof(float), cudaMemcpyDeviceToHost, s);
+        cudaMemcpyAsync(got.data(), bufs[j]->y.get(), got.size() * sizeof(float),
+                        cudaMemcpyDeviceToHost, s);
         cudaStreamSynchronize(s);
         mismatches[j] += std::memcmp(got.data(), serial[j].data(), got.size() * sizeof(float)) != 0;
       }
@@ -262,7 +582,8 @@ TEST(QuantBlendLinearHuge, MoreThanTwoToThe31ElementsOfX) {
   const std::size_t n = static_cast<std::size_t>(tokens * in);  // 3.2e9 > 2^31
   std::size_t free_bytes = 0, total = 0;
   QBL_ASSERT_CUDA(cudaMemGetInfo(&free_bytes, &total));
-  if (free_bytes < 3 * n * sizeof(float)) GTEST_SKIP() << "needs " << 3 * n * 4 / (1 << 30) << " GiB of device memory";
+  if (free_bytes < 3 * n * sizeof(float))
+    GTEST_SKIP() << "needs " << 3 * n * 4 / (1 << 30) << " GiB of device memory";
   const std::uint64_t seed = qbl_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::vector<float> x(n);
@@ -270,7 +591,8 @@ TEST(QuantBlendLinearHuge, MoreThanTwoToThe31ElementsOfX) {
     std::mt19937_64 gen(seed);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     for (std::size_t i = 0; i < (1u << 20); ++i) x[i] = nd(gen);
-    for (std::size_t i = (1u << 20); i < n; ++i) x[i] = x[i % (1u << 20)] * (1.0f + (i >> 20) * 1e-7f);
+    for (std::size_t i = (1u << 20); i < n; ++i)
+      x[i] = x[i % (1u << 20)] * (1.0f + (i >> 20) * 1e-7f);
     x[n - 5] = 9.5f;  // the amax sits past 2^31
   }
   const auto logits = qbl_test::randn(tokens, seed + 1, 2.0f);
@@ -289,21 +611,23 @@ TEST(QuantBlendLinearHuge, MoreThanTwoToThe31ElementsOfX) {
   EXPECT_EQ(amax[0], 9.5f);
   std::vector<float> y(static_cast<std::size_t>(tokens * out));
   QBL_ASSERT_CUDA(qbl_test::to_host(y, dy.get()));
-  for (std::size_t i = 0; i < y.size(); ++i) ASSERT_NE(bits(y[i]), 0xffffffffu) << "unwritten " << i;
+  for (std::size_t i = 0; i < y.size(); ++i)
+    ASSERT_NE(bits(y[i]), 0xffffffffu) << "unwritten " << i;
   // Rows spread over the whole range, the last ones included, against the CPU.
   const float scale = qbl_test::reference_scale(qbl_test::DType::fp32, 9.5f);
   // Rows spread over the whole range, the last one included, against the CPU. alpha comes from the
   // host's expf here, which may differ from the device's in the last place: compare to within that.
   std::vector<float> mixed_row(in);
-  for (std::int64_t t : {std::int64_t{0}, std::int64_t{1} << 20, std::int64_t{1398101}, tokens - 1}) {
+  for (std::int64_t t :
+       {std::int64_t{0}, std::int64_t{1} << 20, std::int64_t{1398101}, tokens - 1}) {
     QBL_ASSERT_CUDA(qbl_test::to_host(mixed_row, layer.device_mixed() + t * in));
     const float alpha = qbl::sigmoid(logits[t]);
     for (std::int64_t c = 0; c < in; ++c) {
       const float xv = x[t * in + c];
       const float want = qbl_test::reference_mixed(qbl_test::DType::fp32, xv, alpha, scale);
-      const float slack =
-          4e-7f * (std::fabs(xv) + std::fabs(qbl_test::reference_fake_quant(qbl_test::DType::fp32, xv, scale))) +
-          1e-30f;
+      const float slack = 4e-7f * (std::fabs(xv) + std::fabs(qbl_test::reference_fake_quant(
+                                                       qbl_test::DType::fp32, xv, scale))) +
+                          1e-30f;
       ASSERT_NEAR(mixed_row[c], want, slack) << "row " << t << " col " << c;
     }
   }
