@@ -2,6 +2,7 @@
 #pragma once
 
 #include <qbl/detail/align.hpp>
+#include <qbl/detail/nvtx.hpp>
 #include <qbl/quant_blend_linear.cuh>
 
 #include <cstdint>
@@ -123,8 +124,12 @@ template <typename T>
 void QuantBlendLinear<T>::run_forward(const T* x, const T* logits, const T* weight, const T* bias,
                                       T* out, std::int64_t tokens, T* mixed, float* stats,
                                       cudaStream_t stream) {
-  QBL_CUDA_TRY(detail::amax_quant_blend_with(x, logits, mixed, tokens, in_, stats, stats + 1,
-                                             limits_, stream));
+  {
+    const detail::NvtxRange range("qbl prologue (amax + quant_blend)");
+    QBL_CUDA_TRY(detail::amax_quant_blend_with(x, logits, mixed, tokens, in_, stats, stats + 1,
+                                               limits_, stream));
+  }
+  const detail::NvtxRange range("qbl gemm");
   if (gemm_.supports(mixed, weight, bias, out, tokens)) {
     QBL_CUBLAS_TRY(gemm_.run(mixed, weight, bias, out, tokens, cublas_workspace_.get(), stream));
   } else {
@@ -136,6 +141,7 @@ void QuantBlendLinear<T>::run_forward(const T* x, const T* logits, const T* weig
 template <typename T>
 void QuantBlendLinear<T>::forward(const T* x, const T* logits, const T* weight, const T* bias,
                                   T* out, std::int64_t tokens, cudaStream_t stream) {
+  const detail::NvtxRange range("qbl forward");
   QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error,
               "forward() on a moved-from QuantBlendLinear");
   QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
@@ -149,6 +155,7 @@ template <typename T>
 void QuantBlendLinear<T>::forward(const T* x, const T* logits, const T* weight, const T* bias,
                                   T* out, std::int64_t tokens, T* mixed, float* stats,
                                   cudaStream_t stream) {
+  const detail::NvtxRange range("qbl forward");
   QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error,
               "forward() on a moved-from QuantBlendLinear");
   QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
@@ -179,6 +186,7 @@ template <typename T>
 void QuantBlendLinear<T>::backward(const T* grad_out, const T* x, const T* logits, const T* weight,
                                    const T* mixed, const float* stats, std::int64_t tokens,
                                    const Gradients& grads, cudaStream_t stream) {
+  const detail::NvtxRange range("qbl backward");
   QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error,
               "backward() on a moved-from QuantBlendLinear");
   QBL_EXPECTS(has_backward(), qbl::logic_error,
@@ -247,6 +255,7 @@ void QuantBlendLinear<T>::backward(const T* grad_out, const T* x, const T* logit
     wws = side_workspace_.get();
   }
   if (want_weight) {
+    const detail::NvtxRange wgrad_range("qbl wgrad");
     // wgrad: grad_weight = grad_outᵀ · mixed, with grad_bias from its BGRADB epilogue (written,
     // never accumulated, by cuBLASLt: accumulating, it goes to a scratch vector first).
     const float beta = grads.accumulate ? 1.0f : 0.0f;
@@ -267,10 +276,13 @@ void QuantBlendLinear<T>::backward(const T* grad_out, const T* x, const T* logit
           detail::FallbackGemm{out_, in_, tokens, 1, out_, 1, in_}, grads.accumulate, wstream));
     }
   }
-  if (want_bias)
+  if (want_bias) {
+    const detail::NvtxRange bias_range("qbl bias_grad");
     QBL_CUDA_TRY(bias_grad(grad_out, grads.bias, tokens, out_, grads.accumulate, wstream));
+  }
   if (fork) QBL_CUDA_TRY(cudaEventRecord(join_.get(), wstream));
   if (dgrad) {
+    const detail::NvtxRange dgrad_range("qbl dgrad + quant_blend_backward");
     // dgrad: g_mixed = grad_out · weight, formed where grad_x goes (the element kernel then works
     // in place) or in the instance's scratch.
     T* g_mixed = want_x ? grads.x : g_mixed_.as<T>();
