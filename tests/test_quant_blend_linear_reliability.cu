@@ -4,11 +4,15 @@
 
 #include "reference.hpp"
 #include "test_support.hpp"
+#include "test_support_device.cuh"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <string>
@@ -631,6 +635,154 @@ TEST(QuantBlendLinearHuge, MoreThanTwoToThe31ElementsOfX) {
       ASSERT_NEAR(mixed_row[c], want, slack) << "row " << t << " col " << c;
     }
   }
+}
+
+// The same past 2^31 elements in bf16 and fp16 (6.4 GB of x): the exact amax placed past 2^31,
+// and rows from the whole range bit-equal to the reference, with alpha from the device's sigmoid.
+template <typename T>
+class QuantBlendLinearHuge16 : public ::testing::Test {};
+TYPED_TEST_SUITE(QuantBlendLinearHuge16, qbl_test::Types16, qbl_test::Names16);
+
+TYPED_TEST(QuantBlendLinearHuge16, MoreThanTwoToThe31ElementsOfX) {
+  QBL_REQUIRE_GPU();
+  using T = TypeParam;
+  constexpr qbl_test::DType dt = qbl_test::dtype_of<T>();
+  const std::int64_t tokens = std::int64_t{1} << 21, in = 1536, out = 16;
+  const std::size_t n = static_cast<std::size_t>(tokens * in);  // 3.2e9 > 2^31
+  std::size_t free_bytes = 0, total = 0;
+  QBL_ASSERT_CUDA(cudaMemGetInfo(&free_bytes, &total));
+  if (free_bytes < 4 * n * sizeof(T))
+    GTEST_SKIP() << "needs " << 4 * n * sizeof(T) / (1 << 30) << " GiB of device memory";
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::vector<T> x(n);
+  {
+    const auto block = qbl_test::convert<T>(qbl_test::randn(std::size_t{1} << 20, seed));
+    for (std::size_t i = 0; i < n; ++i) x[i] = block[i % block.size()];
+    x[n - 5] = qbl_test::from_f<T>(9.5f);  // the amax sits past 2^31
+  }
+  const auto logits = qbl_test::convert<T>(qbl_test::randn(tokens, seed + 1, 2.0f));
+  const auto w = qbl_test::convert<T>(qbl_test::randn(out * in, seed + 2, 0.02f));
+  qbl_test::DeviceArray<T> dx(n), dl(tokens), dw(out * in), dy(tokens * out);
+  ASSERT_TRUE(dx.ok() && dy.ok());
+  QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(), x));
+  QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(), logits));
+  QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(), w));
+  QBL_ASSERT_CUDA(cudaMemset(dy.get(), qbl_test::poison_byte, tokens * out * sizeof(T)));
+  qbl::QuantBlendLinear<T> layer(in, out, tokens);
+  layer.forward(dx.get(), dl.get(), dw.get(), nullptr, dy.get(), tokens);
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<float> amax(1);
+  QBL_ASSERT_CUDA(qbl_test::to_host(amax, layer.device_amax()));
+  EXPECT_EQ(amax[0], 9.5f);
+  {
+    std::vector<T> y(static_cast<std::size_t>(tokens * out));
+    QBL_ASSERT_CUDA(qbl_test::to_host(y, dy.get()));
+    const auto* bytes = reinterpret_cast<const unsigned char*>(y.data());
+    for (std::size_t i = 0; i < y.size(); ++i)
+      ASSERT_FALSE(bytes[2 * i] == qbl_test::poison_byte &&
+                   bytes[2 * i + 1] == qbl_test::poison_byte)
+          << "unwritten " << i;
+  }
+  qbl_test::DeviceArray<float> da(tokens);
+  qbl_test::device_sigmoid_t<T>
+      <<<static_cast<unsigned>((tokens + 255) / 256), 256>>>(dl.get(), da.get(), tokens);
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<float> alpha(static_cast<std::size_t>(tokens));
+  QBL_ASSERT_CUDA(qbl_test::to_host(alpha, da.get()));
+  const float scale = qbl_test::reference_scale(dt, 9.5f);
+  std::vector<T> row(static_cast<std::size_t>(in));
+  for (std::int64_t t :
+       {std::int64_t{0}, std::int64_t{1} << 20, std::int64_t{1398101}, tokens - 1}) {
+    QBL_ASSERT_CUDA(qbl_test::to_host(row, layer.device_mixed() + t * in));
+    std::vector<float> got = qbl_test::widen(row), want(got.size());
+    for (std::int64_t c = 0; c < in; ++c)
+      want[c] = qbl_test::reference_mixed(dt, qbl_test::to_f(x[t * in + c]), alpha[t], scale);
+    EXPECT_TRUE(qbl_test::bits_equal(got, want)) << "row " << t;
+  }
+}
+
+// ---- determinism across processes and devices ----------------------------------------------
+
+// Forward and backward of fixed inputs (a fixed seed: the same in every process), all outputs as
+// raw bytes.
+std::vector<char> fixed_run() {
+  const std::int64_t tokens = 777, in = 384, out = 320;
+  Buffers io(tokens, in, out, 20261203);
+  qbl_test::DeviceArray<float> go(tokens * out), mixed(tokens * in), stats(2), gx(tokens * in),
+      gl(tokens), gw(out * in), gb(out);
+  EXPECT_EQ(qbl_test::to_device(go.get(), qbl_test::randn(tokens * out, 7)), cudaSuccess);
+  qbl::Options o;
+  o.backward = true;
+  Layer layer(in, out, 1024, o);
+  Layer::Gradients g;
+  g.x = gx.get(), g.logits = gl.get(), g.weight = gw.get(), g.bias = gb.get();
+  layer.forward(io.x.get(), io.l.get(), io.w.get(), io.b.get(), io.y.get(), tokens, mixed.get(),
+                stats.get());
+  layer.backward(go.get(), io.x.get(), io.l.get(), io.w.get(), mixed.get(), stats.get(), tokens, g);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<char> all;
+  for (auto* a : {&io.y, &mixed, &stats, &gx, &gl, &gw, &gb}) {
+    std::vector<float> h(a->size());
+    EXPECT_EQ(qbl_test::to_host(h, a->get()), cudaSuccess);
+    const char* p = reinterpret_cast<const char*>(h.data());
+    all.insert(all.end(), p, p + h.size() * sizeof(float));
+  }
+  return all;
+}
+
+// The default options promise the same bits across processes on the same GPU model: two child
+// processes of this binary and this process itself, forward and backward, byte for byte. A child
+// is this same test with QBL_DETERMINISM_OUT set: it writes its bytes there and returns.
+TEST(QuantBlendLinearDeterminism, SameBitsAcrossProcesses) {
+  QBL_REQUIRE_GPU();
+  const std::vector<char> mine = fixed_run();
+  if (const char* out = std::getenv("QBL_DETERMINISM_OUT")) {
+    std::ofstream f(out, std::ios::binary);
+    f.write(mine.data(), static_cast<std::streamsize>(mine.size()));
+    ASSERT_TRUE(f.good());
+    return;
+  }
+  for (int child = 0; child < 2; ++child) {
+    const std::string path = ::testing::TempDir() + "qbl_determinism_" + std::to_string(child);
+    std::remove(path.c_str());
+    const std::string cmd = "QBL_DETERMINISM_OUT='" + path +
+                            "' /proc/self/exe --gtest_filter=QuantBlendLinearDeterminism."
+                            "SameBitsAcrossProcesses > /dev/null 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    std::ifstream f(path, std::ios::binary);
+    const std::vector<char> theirs((std::istreambuf_iterator<char>(f)),
+                                   std::istreambuf_iterator<char>());
+    ASSERT_EQ(theirs.size(), mine.size()) << "child " << child;
+    EXPECT_TRUE(theirs == mine) << "child " << child << " computed other bits";
+    std::remove(path.c_str());
+  }
+}
+
+// A layer built on one device and called with another current: qbl::invalid_argument, nothing
+// launched. Needs two devices.
+TEST(QuantBlendLinearDevice, WrongCurrentDeviceThrowsBeforeLaunching) {
+  QBL_REQUIRE_GPU();
+  int count = 0;
+  QBL_ASSERT_CUDA(cudaGetDeviceCount(&count));
+  if (count < 2) GTEST_SKIP() << "needs two CUDA devices, this machine has " << count;
+  QBL_ASSERT_CUDA(cudaSetDevice(0));
+  const std::int64_t tokens = 16, in = 32, out = 8;
+  Buffers io(tokens, in, out, qbl_test::fresh_seed());
+  qbl::Options o;
+  o.backward = true;
+  Layer layer(in, out, tokens, o);
+  QBL_ASSERT_CUDA(io.poison());
+  QBL_ASSERT_CUDA(cudaSetDevice(1));
+  EXPECT_THROW(io.forward(layer), qbl::invalid_argument);
+  Layer::Gradients g;
+  g.bias = io.b.get();
+  EXPECT_THROW(layer.backward(io.y.get(), nullptr, nullptr, nullptr, nullptr, nullptr, tokens, g),
+               qbl::invalid_argument);
+  QBL_ASSERT_CUDA(cudaSetDevice(0));
+  std::vector<float> y(io.y.size());
+  QBL_ASSERT_CUDA(qbl_test::to_host(y, io.y.get()));
+  for (std::size_t i = 0; i < y.size(); ++i) ASSERT_EQ(bits(y[i]), 0xffffffffu) << "written " << i;
 }
 
 }  // namespace
