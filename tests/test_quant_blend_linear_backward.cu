@@ -1107,11 +1107,6 @@ TEST(LayerBackwardGraph, ThousandReplaysWithChangingInputsGiveTheDirectResult) {
 
 // ---- randomized property test -------------------------------------------------------------------
 
-std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 0) : fallback;
-}
-
 /// Case `index` of the run seeded `seed`: the same pair always gives the same case.
 BwdCase make_backward_case(std::uint64_t seed, int index) {
   std::mt19937_64 gen(seed * 0x9e3779b97f4a7c15ull + static_cast<std::uint64_t>(index) +
@@ -1146,9 +1141,9 @@ BwdCase make_backward_case(std::uint64_t seed, int index) {
 
 TEST(LayerBackwardProperty, RandomCasesMatchTheIndependentReference) {
   QBL_REQUIRE_GPU();
-  const std::uint64_t seed = env_u64("QBL_PROPERTY_SEED", qbl_test::fresh_seed());
-  const int cases =
-      static_cast<int>(env_u64("QBL_BACKWARD_PROPERTY_CASES", env_u64("QBL_PROPERTY_CASES", 1000)));
+  const std::uint64_t seed = qbl_test::env_u64("QBL_PROPERTY_SEED", qbl_test::fresh_seed());
+  const int cases = static_cast<int>(qbl_test::env_u64(
+      "QBL_BACKWARD_PROPERTY_CASES", qbl_test::env_u64("QBL_PROPERTY_CASES", 1000)));
   std::printf("[ property ] %d backward cases, seed %llu (replay: QBL_PROPERTY_SEED=%llu)\n", cases,
               static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed));
   const auto start = std::chrono::steady_clock::now();

@@ -164,11 +164,6 @@ std::vector<float> reference_mixed(const PropertyCase& c, const PropertyData& d,
                                        << " (exact product rounded to the dtype: " << best << ")";
 }
 
-std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 0) : fallback;
-}
-
 // ---- non-finite and edge inputs: eager's answers, per dtype -----------------------------------
 
 struct EdgeCase {
@@ -296,8 +291,8 @@ TYPED_TEST(NonFiniteTable, EachCaseGivesEagersAnswer) {
 
 TEST(QuantBlendLinearProperty, RandomCasesMatchTheIndependentReference) {
   QBL_REQUIRE_GPU();
-  const std::uint64_t seed = env_u64("QBL_PROPERTY_SEED", qbl_test::fresh_seed());
-  const int cases = static_cast<int>(env_u64("QBL_PROPERTY_CASES", 1000));
+  const std::uint64_t seed = qbl_test::env_u64("QBL_PROPERTY_SEED", qbl_test::fresh_seed());
+  const int cases = static_cast<int>(qbl_test::env_u64("QBL_PROPERTY_CASES", 1000));
   std::printf("[ property ] %d cases, seed %llu (replay: QBL_PROPERTY_SEED=%llu)\n", cases,
               static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed));
   int ran = 0, fallback = 0, failed = 0;

@@ -132,6 +132,13 @@ cudaError_t to_host(std::vector<T>& h, const T* d) {
   return cudaMemcpy(h.data(), d, h.size() * sizeof(T), cudaMemcpyDeviceToHost);
 }
 
+/// The unsigned value of environment variable `name` (decimal, 0x hex or 0 octal), or `fallback`
+/// when it is unset or empty: seeds and case counts of the randomized tests.
+inline std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 0) : fallback;
+}
+
 /// Fresh seed per run; print it with SCOPED_TRACE so a failure can be replayed.
 inline std::uint64_t fresh_seed() {
   static std::random_device rd;
