@@ -206,9 +206,9 @@ class TrainBench {
     // What the layer itself runs: cuBLASLt (and which algorithm) or its fallback kernel.
     const qbl::GemmPlan<T>& dp = *layer_.dgrad_plan();
     const qbl::GemmPlan<T>& wp = *layer_.wgrad_plan();
-    const bool d_lt = dp.supports(w_, g_.as<T>(), nullptr, grad_x_.as<T>(), tokens_);
+    const bool d_lt = dp.supports(w_, g_.as<T>(), grad_x_.as<T>(), nullptr, tokens_);
     const bool w_lt =
-        wp.supports(mixed_.as<T>(), g_.as<T>(), grad_b_.as<T>(), grad_w_.as<T>(), tokens_);
+        wp.supports(mixed_.as<T>(), g_.as<T>(), grad_w_.as<T>(), grad_b_.as<T>(), tokens_);
     std::printf("  %-4s layer forward: %s (%s); dgrad: %s (%s); wgrad+BGRADB: %s (%s)\n", dt,
                 layer_.uses_cublaslt(w_, bias_, out_.as<T>(), tokens_) ? "cuBLASLt" : "FALLBACK",
                 layer_.gemm().describe(tokens_, bias_ != nullptr).c_str(),

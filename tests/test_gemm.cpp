@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -304,7 +305,7 @@ TYPED_TEST(GemmPlanTyped, DgradAndWgradMatchFloat64) {
     };
     // dgrad: A = w, B = g, D = g_a.
     QBL_ASSERT_CUDA(cudaMemset(dd.get(), qbl_test::poison_byte, dd.size() * sizeof(T)));
-    const bool d_ok = dplan.supports(dw.get(off), dg.get(off), nullptr, dd.get(off), tokens);
+    const bool d_ok = dplan.supports(dw.get(off), dg.get(off), dd.get(off), nullptr, tokens);
     const cublasStatus_t ds =
         dplan.run(dw.get(off), dg.get(off), dd.get(off), nullptr, tokens, 0.0f, ws.get());
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
@@ -328,7 +329,7 @@ TYPED_TEST(GemmPlanTyped, DgradAndWgradMatchFloat64) {
         QBL_ASSERT_CUDA(qbl_test::to_device(dwg.get(off), qbl_test::convert<T>(old_w)));
       }
       const bool w_ok =
-          wplan.supports(da.get(off), dg.get(off), dbg.get(off), dwg.get(off), tokens);
+          wplan.supports(da.get(off), dg.get(off), dwg.get(off), dbg.get(off), tokens);
       const cublasStatus_t wst =
           wplan.run(da.get(off), dg.get(off), dwg.get(off), dbg.get(off), tokens, beta, ws.get());
       QBL_ASSERT_CUDA(cudaDeviceSynchronize());
@@ -354,10 +355,19 @@ TEST(GemmPlan, RejectsBadSpecsBeforeTouchingCuda) {
   EXPECT_THROW(qbl::GemmPlan<float>(qbl::GemmSpec::linear_dgrad(0, 4), 4), qbl::invalid_argument);
   EXPECT_THROW(qbl::GemmPlan<float>(qbl::GemmSpec::linear_wgrad(4, 0), 4), qbl::invalid_argument);
   EXPECT_THROW(qbl::GemmPlan<float>(qbl::GemmSpec::linear_wgrad(4, 4), 0), qbl::invalid_argument);
-  // The token count must be a stored column count: n with B transposed is not.
+  // The token count must be a stored column count: n with B transposed is not, nor is k with A
+  // transposed or B not transposed.
   qbl::GemmSpec bad = qbl::GemmSpec::linear_dgrad(4, 4);
   bad.trans_b = CUBLAS_OP_T;
   EXPECT_THROW(qbl::GemmPlan<float>(bad, 4), qbl::invalid_argument);
+  for (const auto& [ta, tb] :
+       {std::pair{CUBLAS_OP_T, CUBLAS_OP_T}, std::pair{CUBLAS_OP_N, CUBLAS_OP_N},
+        std::pair{CUBLAS_OP_T, CUBLAS_OP_N}}) {
+    qbl::GemmSpec k_bad = qbl::GemmSpec::linear_wgrad(4, 4);
+    k_bad.trans_a = ta;
+    k_bad.trans_b = tb;
+    EXPECT_THROW(qbl::GemmPlan<float>(k_bad, 4), qbl::invalid_argument) << ta << " " << tb;
+  }
 }
 
 TEST(LinearGemmDevice, RunRejectsTokensOutOfRange) {

@@ -131,7 +131,9 @@ struct GemmSpec {
 /// bytes) cublasLtMatmul refuses at a trial launch on scratch operands the algorithm its
 /// heuristic offered (seen on an H200: bf16 with a bias at 2-byte alignment). supports() answers
 /// from that plan alone, the same before and after any run(). Move-only; one instance serves one
-/// stream at a time (run() sets the token count on descriptors it owns).
+/// stream at a time (run() sets the token count on descriptors it owns). The constructor needs
+/// scratch operands for the trial launches (A, B and D at the largest bucket's smallest token
+/// count, max_tokens / 2 + 1 at most; at max_tokens with autotuning) and frees them on return.
 template <typename T>
 class GemmPlan {
  public:
@@ -154,7 +156,7 @@ class GemmPlan {
 
   /// Does the plan hold an algorithm for these pointers and `tokens` in [1, max_tokens]?
   /// Host-only, no CUDA call, no state.
-  bool supports(const T* a, const T* b, const void* vector, const T* d,
+  bool supports(const T* a, const T* b, const T* d, const void* vector,
                 std::int64_t tokens) const noexcept;
 
   std::size_t workspace_bytes() const noexcept { return workspace_bytes_; }
@@ -246,7 +248,7 @@ class LinearGemm {
   /// Host-only, no CUDA call.
   bool supports(const T* a, const T* w, const T* bias, const T* out,
                 std::int64_t tokens) const noexcept {
-    return plan_.supports(w, a, bias, out, tokens);
+    return plan_.supports(w, a, out, bias, tokens);
   }
 
   std::size_t workspace_bytes() const noexcept { return plan_.workspace_bytes(); }

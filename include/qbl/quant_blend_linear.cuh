@@ -61,8 +61,10 @@ class QuantBlendLinear {
  public:
   using value_type = T;
 
-  /// Allocates the workspace for up to `max_tokens` tokens and plans the GEMM on the current
-  /// device, which every later forward() must also run on.
+  /// Allocates the workspace for up to `max_tokens` tokens and plans the GEMMs on the current
+  /// device, which every later forward() and backward() must also run on. Planning needs scratch
+  /// memory for a while, freed before the constructor returns: each GEMM's operands at up to
+  /// max_tokens / 2 + 1 tokens (at max_tokens with Options::autotune), one GEMM at a time.
   /// \throws qbl::invalid_argument for non-positive sizes, qbl::out_of_memory if the workspace
   ///         cannot be allocated, qbl::cublas_error if cuBLASLt cannot serve the shape.
   QuantBlendLinear(std::int64_t in_features, std::int64_t out_features, std::int64_t max_tokens,
@@ -154,6 +156,12 @@ class QuantBlendLinear {
     return gemm_.supports(mixed_.as<T>(), weight, bias, out, tokens);
   }
 
+  /// The same for the forward into a caller's `mixed` buffer (its alignment counts too).
+  bool uses_cublaslt(const T* mixed, const T* weight, const T* bias, const T* out,
+                     std::int64_t tokens) const noexcept {
+    return gemm_.supports(mixed, weight, bias, out, tokens);
+  }
+
   /// The scale of the last forward (one float on the device). Read it after the forward's stream
   /// has reached that point.
   const float* device_scale() const noexcept { return stats_.as<float>() + 1; }
@@ -171,8 +179,8 @@ class QuantBlendLinear {
   bool has_backward() const noexcept { return dgrad_ != nullptr; }
 
   /// The backward's GEMM plans (nullptr without Options::backward), for what they serve:
-  /// dgrad_plan()->supports(weight, grad_out, nullptr, g_mixed, tokens) and
-  /// wgrad_plan()->supports(mixed, grad_out, grad_bias, grad_weight, tokens) say whether backward()
+  /// dgrad_plan()->supports(weight, grad_out, g_mixed, nullptr, tokens) and
+  /// wgrad_plan()->supports(mixed, grad_out, grad_weight, grad_bias, tokens) say whether backward()
   /// runs them on cuBLASLt (true) or on the fallback kernel; describe() names the algorithm.
   const GemmPlan<T>* dgrad_plan() const noexcept { return dgrad_.get(); }
   const GemmPlan<T>* wgrad_plan() const noexcept { return wgrad_.get(); }

@@ -112,7 +112,9 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
               "features must be positive");
   QBL_EXPECTS(max_tokens > 0, qbl::invalid_argument, "max_tokens must be positive");
   const bool ta = spec.trans_a != CUBLAS_OP_N, tb = spec.trans_b != CUBLAS_OP_N;
-  QBL_EXPECTS(tokens_n ? !tb : !ta, qbl::invalid_argument,
+  // The token count must be a stored column count of every operand that has it: n is the
+  // columns of B (untransposed) and D; k is the columns of A (untransposed) and of B (transposed).
+  QBL_EXPECTS(tokens_n ? !tb : (!ta && tb), qbl::invalid_argument,
               "the token count must be a stored column count of every operand that has it");
   (tokens_n ? spec_.n : spec_.k) = max_tokens;
   autotune_candidates_ = options.autotune ? std::clamp(options.autotune_candidates, 1, 16) : 0;
@@ -171,24 +173,14 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
     }
   }
 
-  // Scratch operands of the largest size, 256 bytes of slack each so that a trial can place its
-  // pointers at exactly a class's alignment.
+  buckets_ = detail::token_buckets(max_tokens_);
+  plans_.resize(buckets_.size());
+
+  // Scratch operands for the trial launches (at each bucket's smallest token count, so at most
+  // max_tokens / 2 + 1 tokens) and, with autotuning, for timing at max_tokens; 256 bytes of slack
+  // each so that a trial can place its pointers at exactly a class's alignment. Freed when
+  // planning ends. Zeroed on the scratch stream, so that the trials read initialized memory.
   Scratch scratch;
-  constexpr std::size_t slack = 256;
-  auto zeroed = [](std::size_t bytes) {
-    detail::device_buffer b(bytes);
-    QBL_CUDA_TRY(cudaMemset(b.get(), 0, bytes));
-    return b;
-  };
-  scratch.a = zeroed(static_cast<std::size_t>(a_rows * a_cols) * sizeof(T) + slack);
-  scratch.b = zeroed(static_cast<std::size_t>(b_rows * b_cols) * sizeof(T) + slack);
-  scratch.d = zeroed(static_cast<std::size_t>(spec_.m * spec_.n) * sizeof(T) + slack);
-  scratch.vector = zeroed(static_cast<std::size_t>(std::max(spec_.m, spec_.n)) * sizeof(T) + slack);
-  scratch.workspace = detail::device_buffer(workspace_bytes_);
-  if (autotune_candidates_ > 0) {
-    for (auto* b : {&scratch.a, &scratch.b, &scratch.vector})
-      detail::fill_scratch(b->get(), b->bytes(), sizeof(T));
-  }
   cudaStream_t s = nullptr;
   QBL_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   scratch.stream.reset(s);
@@ -197,9 +189,28 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
   scratch.start.reset(e0);
   QBL_CUDA_TRY(cudaEventCreate(&e1));
   scratch.stop.reset(e1);
+  const std::int64_t scratch_tokens = autotune_candidates_ > 0 || buckets_.size() < 2
+                                          ? max_tokens_
+                                          : buckets_[buckets_.size() - 2] + 1;
+  constexpr std::size_t slack = 256;
+  auto zeroed = [&](std::int64_t rows, std::int64_t cols) {
+    const std::size_t bytes = static_cast<std::size_t>(rows * cols) * sizeof(T) + slack;
+    detail::device_buffer b(bytes);
+    QBL_CUDA_TRY(cudaMemsetAsync(b.get(), 0, bytes, scratch.stream.get()));
+    return b;
+  };
+  scratch.a = zeroed(a_rows, a_tokens_ ? scratch_tokens : a_cols);
+  scratch.b = zeroed(b_rows, scratch_tokens);
+  scratch.d = zeroed(spec_.m, d_tokens_ ? scratch_tokens : spec_.n);
+  scratch.vector = zeroed(std::max(spec_.m, spec_.n), 1);
+  scratch.workspace = detail::device_buffer(workspace_bytes_);
+  QBL_CUDA_TRY(cudaStreamSynchronize(scratch.stream.get()));
+  if (autotune_candidates_ > 0) {
+    for (auto* b : {&scratch.a, &scratch.b, &scratch.vector})
+      detail::fill_scratch(b->get(), b->bytes(), sizeof(T));
+    QBL_CUDA_TRY(cudaStreamSynchronize(nullptr));  // fill_scratch copies on the default stream
+  }
 
-  buckets_ = detail::token_buckets(max_tokens_);
-  plans_.resize(buckets_.size());
   if (autotune_candidates_ > 0) warm_up(scratch);
   for (std::size_t i = 0; i < buckets_.size(); ++i) plan_bucket(i, scratch);
   QBL_CUDA_TRY(cudaStreamSynchronize(scratch.stream.get()));
@@ -224,7 +235,7 @@ std::size_t GemmPlan<T>::bucket_of(std::int64_t tokens) const noexcept {
 }
 
 template <typename T>
-bool GemmPlan<T>::supports(const T* a, const T* b, const void* vector, const T* d,
+bool GemmPlan<T>::supports(const T* a, const T* b, const T* d, const void* vector,
                            std::int64_t tokens) const noexcept {
   if (tokens < 1 || tokens > max_tokens_ || plans_.empty()) return false;
   return plans_[bucket_of(tokens)]
@@ -418,7 +429,8 @@ cublasStatus_t GemmPlan<T>::run(const T* a, const T* b, T* d, const void* vector
   if (tokens == 0) return CUBLAS_STATUS_SUCCESS;
   if (a == nullptr || b == nullptr || d == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
   const int vec = vector != nullptr ? 1 : 0;
-  if (vec && !desc_[1]) return CUBLAS_STATUS_INVALID_VALUE;
+  if (vec && spec_.vector_epilogue == CUBLASLT_EPILOGUE_DEFAULT) return CUBLAS_STATUS_INVALID_VALUE;
+  if (vec && !desc_[1]) return CUBLAS_STATUS_NOT_SUPPORTED;  // not planned (BGRADB with m == 1)
   const std::size_t bucket = bucket_of(tokens);
   const int cls = alignment_class(a, b, vector, d);
   if (!plans_[bucket].found[vec][cls]) return CUBLAS_STATUS_NOT_SUPPORTED;

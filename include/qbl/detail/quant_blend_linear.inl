@@ -254,20 +254,36 @@ void QuantBlendLinear<T>::backward(const T* grad_out, const T* x, const T* logit
     wstream = side_stream_.get();
     wws = side_workspace_.get();
   }
+  // Joins the side stream back into `stream` on every way out, a throw included: the caller's
+  // later work (an allocator reusing grad_out or mixed, the end of a graph capture) must never
+  // run ahead of wgrad. The normal way out checks the two calls; a throw's cannot be reported.
+  struct Join {
+    cudaStream_t main, side;
+    cudaEvent_t event;
+    bool armed;
+    cudaError_t join() noexcept {
+      armed = false;
+      const cudaError_t e = cudaEventRecord(event, side);
+      return e != cudaSuccess ? e : cudaStreamWaitEvent(main, event, 0);
+    }
+    ~Join() {
+      if (armed) join();
+    }
+  } join{stream, side_stream_.get(), join_.get(), fork};
   if (want_weight) {
     const detail::NvtxRange wgrad_range("qbl wgrad");
     // wgrad: grad_weight = grad_outᵀ · mixed, with grad_bias from its BGRADB epilogue (written,
     // never accumulated, by cuBLASLt: accumulating, it goes to a scratch vector first).
     const float beta = grads.accumulate ? 1.0f : 0.0f;
     T* bias_out = want_bias ? (grads.accumulate ? bias_scratch_.as<T>() : grads.bias) : nullptr;
-    if (wgrad_->supports(mixed, grad_out, bias_out, grads.weight, tokens)) {
+    if (wgrad_->supports(mixed, grad_out, grads.weight, bias_out, tokens)) {
       QBL_CUBLAS_TRY(
           wgrad_->run(mixed, grad_out, grads.weight, bias_out, tokens, beta, wws, wstream));
       if (bias_out != nullptr && grads.accumulate)
         QBL_CUDA_TRY(
             detail::accumulate_into(grads.bias, static_cast<const T*>(bias_out), out_, wstream));
       want_bias = false;
-    } else if (wgrad_->supports(mixed, grad_out, nullptr, grads.weight, tokens)) {
+    } else if (wgrad_->supports(mixed, grad_out, grads.weight, nullptr, tokens)) {
       QBL_CUBLAS_TRY(
           wgrad_->run(mixed, grad_out, grads.weight, nullptr, tokens, beta, wws, wstream));
     } else {
@@ -280,13 +296,12 @@ void QuantBlendLinear<T>::backward(const T* grad_out, const T* x, const T* logit
     const detail::NvtxRange bias_range("qbl bias_grad");
     QBL_CUDA_TRY(bias_grad(grad_out, grads.bias, tokens, out_, grads.accumulate, wstream));
   }
-  if (fork) QBL_CUDA_TRY(cudaEventRecord(join_.get(), wstream));
   if (dgrad) {
     const detail::NvtxRange dgrad_range("qbl dgrad + quant_blend_backward");
     // dgrad: g_mixed = grad_out · weight, formed where grad_x goes (the element kernel then works
     // in place) or in the instance's scratch.
     T* g_mixed = want_x ? grads.x : g_mixed_.as<T>();
-    if (dgrad_->supports(weight, grad_out, nullptr, g_mixed, tokens)) {
+    if (dgrad_->supports(weight, grad_out, g_mixed, nullptr, tokens)) {
       QBL_CUBLAS_TRY(dgrad_->run(weight, grad_out, g_mixed, nullptr, tokens, 0.0f,
                                  cublas_workspace_.get(), stream));
     } else {
@@ -297,7 +312,7 @@ void QuantBlendLinear<T>::backward(const T* grad_out, const T* x, const T* logit
     QBL_CUDA_TRY(quant_blend_backward(static_cast<const T*>(g_mixed), x, logits, stats + 1, grads.x,
                                       grads.logits, tokens, in_, grads.quant_grad, stream));
   }
-  if (fork) QBL_CUDA_TRY(cudaStreamWaitEvent(stream, join_.get(), 0));
+  if (fork) QBL_CUDA_TRY(join.join());
 }
 
 }  // namespace qbl
