@@ -15,7 +15,8 @@
 # the test but counts as an API error to the tools, and the exhaustive 16-bit operand sweeps of
 # test_quant_blend_math (2^32 operand pairs each, no shared memory, one atomic per block: they
 # test arithmetic, and take minutes instrumented; its fp32 sweep stays in). QBL_SANITIZER_EXCLUDE adds gtest filter
-# patterns (':'-separated).
+# patterns (':'-separated); QBL_SANITIZER_ONLY (space-separated binary names) runs only those
+# binaries.
 #
 # Time limits: QBL_SANITIZER_BINARY_S (seconds, default none) bounds each tool-binary run, and a
 # run that reaches it counts as failed; QBL_SANITIZER_DEADLINE (seconds since the epoch) stops
@@ -61,6 +62,9 @@ binaries=()
 for t in "$build"/tests/test_*; do
   if [ ! -f "$t" ] || [ ! -x "$t" ]; then continue; fi
   case "$(basename "$t")" in test_error|test_two_units) continue ;; esac  # no device code of their own
+  if [ -n "${QBL_SANITIZER_ONLY:-}" ] && ! [[ " $QBL_SANITIZER_ONLY " == *" $(basename "$t") "* ]]; then
+    continue
+  fi
   binaries+=("$t")
 done
 if [ ${#binaries[@]} -eq 0 ]; then
