@@ -21,6 +21,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 namespace {
 
 using qbl_test::bits;
@@ -345,11 +347,17 @@ TEST(QuantBlendLinearCapture, ForwardAndBackwardAllocateNothingAndNeverSynchroni
     }
     return r;
   };
+  // Both runs start from poisoned outputs, so the bytes past `out` (Buffers keeps 8 spare
+  // elements) are compared too: written by neither.
+  auto poison = [&] {
+    for (auto* a : {&io.y, &y2, &gx, &gl, &gw, &gb})
+      QBL_ASSERT_CUDA(cudaMemset(a->get(), qbl_test::poison_byte, a->size() * sizeof(float)));
+  };
+  poison();
   step();
   QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
   const auto want = fetch();
-  for (auto* a : {&io.y, &y2, &gx, &gl, &gw, &gb})
-    QBL_ASSERT_CUDA(cudaMemset(a->get(), qbl_test::poison_byte, a->size() * sizeof(float)));
+  poison();
   QBL_ASSERT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
   step();
   cudaGraph_t graph = nullptr;
@@ -403,6 +411,10 @@ TEST(QuantBlendLinearOptions, ZeroCublasWorkspaceStillComputesEverything) {
       r.emplace_back(a->size());
       EXPECT_EQ(qbl_test::to_host(r.back(), a->get()), cudaSuccess);
     }
+    // `out` has 8 spare elements past tokens x out: they must still hold the poison.
+    for (std::size_t k = static_cast<std::size_t>(tokens * out); k < r[0].size(); ++k)
+      EXPECT_EQ(bits(r[0][k]), 0xffffffffu) << "written past out at " << k;
+    r[0].resize(static_cast<std::size_t>(tokens * out));
     return r;
   };
   const auto want = run(qbl::Options{}.cublas_workspace_bytes);
@@ -743,11 +755,17 @@ TEST(QuantBlendLinearDeterminism, SameBitsAcrossProcesses) {
     ASSERT_TRUE(f.good());
     return;
   }
+  // The children run this binary by its path: /proc/self/exe inside std::system's command line
+  // would name the shell.
+  std::string self(4096, '\0');
+  const ssize_t len = readlink("/proc/self/exe", self.data(), self.size() - 1);
+  ASSERT_GT(len, 0) << "readlink(/proc/self/exe) failed";
+  self.resize(static_cast<std::size_t>(len));
   for (int child = 0; child < 2; ++child) {
     const std::string path = ::testing::TempDir() + "qbl_determinism_" + std::to_string(child);
     std::remove(path.c_str());
-    const std::string cmd = "QBL_DETERMINISM_OUT='" + path +
-                            "' /proc/self/exe --gtest_filter=QuantBlendLinearDeterminism."
+    const std::string cmd = "QBL_DETERMINISM_OUT='" + path + "' '" + self +
+                            "' --gtest_filter=QuantBlendLinearDeterminism."
                             "SameBitsAcrossProcesses > /dev/null 2>&1";
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
     std::ifstream f(path, std::ios::binary);
