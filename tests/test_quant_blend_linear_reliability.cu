@@ -14,6 +14,7 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -427,6 +428,99 @@ TEST(QuantBlendLinearOptions, ZeroCublasWorkspaceStillComputesEverything) {
       ASSERT_FALSE(std::isnan(got[i][k])) << "unwritten " << k;
     // grad_logits differences of nearly equal sums amplify the GEMM's last-bit differences.
     EXPECT_LT(qbl_test::relative_error(got[i], ref), i == 2 ? 1e-3 : 1e-5);
+  }
+}
+
+// Options::allocator: every byte of the instance and of its planning comes from the caller's
+// allocator and all of it goes back, once, with the size it was asked with; what stays allocated
+// after construction is workspace_bytes(); the results equal a cudaMalloc instance's bit for bit.
+// An allocator that runs dry makes the constructor throw qbl::out_of_memory, leaking nothing.
+struct CountingAllocator {
+  std::map<void*, std::size_t> blocks;
+  std::size_t live = 0, calls = 0, fail_at = 0, bad_frees = 0;
+  static void* allocate(std::size_t bytes, void* context) {
+    auto* self = static_cast<CountingAllocator*>(context);
+    if (++self->calls == self->fail_at) return nullptr;
+    void* p = nullptr;
+    if (cudaMalloc(&p, bytes) != cudaSuccess) return nullptr;
+    self->blocks[p] = bytes;
+    self->live += bytes;
+    return p;
+  }
+  static void deallocate(void* p, std::size_t bytes, void* context) {
+    auto* self = static_cast<CountingAllocator*>(context);
+    const auto it = self->blocks.find(p);
+    if (it == self->blocks.end() || it->second != bytes) {
+      ++self->bad_frees;
+      return;
+    }
+    self->live -= bytes;
+    self->blocks.erase(it);
+    cudaFree(p);
+  }
+  qbl::DeviceAllocator handle() {
+    return {&CountingAllocator::allocate, &CountingAllocator::deallocate, this};
+  }
+};
+
+TEST(QuantBlendLinearOptions, AllocatorServesEveryAllocationAndGetsItAllBack) {
+  QBL_REQUIRE_GPU();
+  const std::int64_t tokens = 300, in = 192, out = 80;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Buffers io(tokens, in, out, seed);
+  qbl_test::DeviceArray<float> go(tokens * out), mixed(tokens * in), stats(2), gx(tokens * in),
+      gl(tokens), gw(out * in), gb(out);
+  QBL_ASSERT_CUDA(qbl_test::to_device(go.get(), qbl_test::randn(tokens * out, seed + 7)));
+  auto run = [&](Layer& layer) {
+    Layer::Gradients g;
+    g.x = gx.get(), g.logits = gl.get(), g.weight = gw.get(), g.bias = gb.get();
+    layer.forward(io.x.get(), io.l.get(), io.w.get(), io.b.get(), io.y.get(), tokens, mixed.get(),
+                  stats.get());
+    layer.backward(go.get(), io.x.get(), io.l.get(), io.w.get(), mixed.get(), stats.get(), tokens,
+                   g);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<std::vector<float>> r;
+    for (auto* a : {&io.y, &mixed, &gx, &gl, &gw, &gb}) {
+      r.emplace_back(a->size());
+      EXPECT_EQ(qbl_test::to_host(r.back(), a->get()), cudaSuccess);
+    }
+    return r;
+  };
+  qbl::Options plain;
+  plain.backward = true;
+  std::vector<std::vector<float>> want;
+  {
+    Layer layer(in, out, tokens, plain);
+    want = run(layer);
+  }
+  CountingAllocator counter;
+  qbl::Options o = plain;
+  o.allocator = counter.handle();
+  {
+    Layer layer(in, out, tokens, o);
+    EXPECT_EQ(counter.live, Layer::workspace_bytes(in, out, tokens, o));
+    // planning took scratch beyond the workspace (trial operands), and gave it back
+    EXPECT_GT(counter.calls, counter.blocks.size());
+    const auto got = run(layer);
+    for (std::size_t i = 0; i < want.size(); ++i)
+      EXPECT_TRUE(qbl_test::bits_equal(got[i], want[i]));
+  }
+  EXPECT_EQ(counter.live, 0u);
+  EXPECT_TRUE(counter.blocks.empty());
+  EXPECT_EQ(counter.bad_frees, 0u);
+
+  // An allocator that runs dry at each allocation in turn: the constructor throws
+  // qbl::out_of_memory and everything allocated before is given back.
+  const std::size_t allocations = counter.calls;
+  for (std::size_t fail = 1; fail <= allocations; ++fail) {
+    CountingAllocator dry;
+    dry.fail_at = fail;
+    qbl::Options d = plain;
+    d.allocator = dry.handle();
+    EXPECT_THROW(Layer(in, out, tokens, d), qbl::out_of_memory) << "failing allocation " << fail;
+    EXPECT_EQ(dry.live, 0u) << "failing allocation " << fail;
+    EXPECT_EQ(dry.bad_frees, 0u);
   }
 }
 

@@ -5,6 +5,27 @@
 
 namespace qbl {
 
+/// Where qbl's objects get their device memory: the workspace an instance owns, and the scratch
+/// that planning uses for a while at construction. The default (both functions null) is
+/// cudaMalloc / cudaFree. A framework passes its own, e.g. PyTorch's caching allocator, so that
+/// qbl's memory is counted and reused with the rest:
+///
+///   qbl::Options opt;
+///   opt.allocator.allocate = [](std::size_t n, void*) { return my_alloc(n); };
+///   opt.allocator.deallocate = [](void* p, std::size_t, void*) { my_free(p); };
+///
+/// `allocate` returns memory of the device current at the call, aligned to 256 bytes, usable from
+/// any stream, or nullptr (or throws) when it has none; qbl turns nullptr into qbl::out_of_memory.
+/// `deallocate` receives what `allocate` returned, with the same size; it is called when the
+/// owning object is destroyed or planning ends, on the same device. cudaFree waits for the work
+/// still using the memory; a stream-ordered allocator does not, so destroy an instance only after
+/// the streams that ran its work have reached that point.
+struct DeviceAllocator {
+  void* (*allocate)(std::size_t bytes, void* context) = nullptr;
+  void (*deallocate)(void* ptr, std::size_t bytes, void* context) = nullptr;
+  void* context = nullptr;  ///< passed to both
+};
+
 /// Every field has a default that suits an H200; construct with `{}` and override what you need.
 ///
 ///   qbl::Options opt;
@@ -33,6 +54,9 @@ struct Options {
   /// scratch, so that QuantBlendLinear::backward() can run. Off by default: an inference-only
   /// instance plans and allocates nothing for the backward, and backward() throws.
   bool backward = false;
+
+  /// Device memory of the instance and of its planning (default: cudaMalloc / cudaFree).
+  DeviceAllocator allocator;
 };
 
 /// The gradient that reaches x through the fake quantizer x_q = fake_quant(x, scale).

@@ -195,7 +195,7 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
   constexpr std::size_t slack = 256;
   auto zeroed = [&](std::int64_t rows, std::int64_t cols) {
     const std::size_t bytes = static_cast<std::size_t>(rows * cols) * sizeof(T) + slack;
-    detail::device_buffer b(bytes);
+    detail::device_buffer b(bytes, options.allocator);
     QBL_CUDA_TRY(cudaMemsetAsync(b.get(), 0, bytes, scratch.stream.get()));
     return b;
   };
@@ -203,7 +203,7 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
   scratch.b = zeroed(b_rows, scratch_tokens);
   scratch.d = zeroed(spec_.m, d_tokens_ ? scratch_tokens : spec_.n);
   scratch.vector = zeroed(std::max(spec_.m, spec_.n), 1);
-  scratch.workspace = detail::device_buffer(workspace_bytes_);
+  scratch.workspace = detail::device_buffer(workspace_bytes_, options.allocator);
   QBL_CUDA_TRY(cudaStreamSynchronize(scratch.stream.get()));
   if (autotune_candidates_ > 0) {
     for (auto* b : {&scratch.a, &scratch.b, &scratch.vector})

@@ -2,41 +2,75 @@
 #pragma once
 
 #include <qbl/error.hpp>
+#include <qbl/options.hpp>
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <utility>
 
 namespace qbl::detail {
 
-struct cuda_free {
-  void operator()(void* p) const noexcept { cudaFree(p); }
-};
-
-/// Owns one cudaMalloc allocation. Move-only.
+/// Owns one device allocation, from cudaMalloc or from a DeviceAllocator. Move-only.
 class device_buffer {
  public:
   device_buffer() = default;
-  explicit device_buffer(std::size_t bytes) : bytes_(bytes) {
+  explicit device_buffer(std::size_t bytes, const DeviceAllocator& allocator = {})
+      : bytes_(bytes), allocator_(allocator) {
     if (bytes == 0) return;
-    void* p = nullptr;
-    QBL_CUDA_TRY(cudaMalloc(&p, bytes));
-    ptr_.reset(p);
+    if (allocator_.allocate == nullptr) {
+      QBL_CUDA_TRY(cudaMalloc(&ptr_, bytes));
+      return;
+    }
+    ptr_ = allocator_.allocate(bytes, allocator_.context);
+    if (ptr_ == nullptr) {
+      throw qbl::out_of_memory(
+          cudaErrorMemoryAllocation,
+          "qbl: the allocator returned no memory for " + std::to_string(bytes) + " bytes");
+    }
   }
-  void* get() const noexcept { return ptr_.get(); }
+  device_buffer(device_buffer&& other) noexcept
+      : ptr_(std::exchange(other.ptr_, nullptr)),
+        bytes_(std::exchange(other.bytes_, 0)),
+        allocator_(other.allocator_) {}
+  device_buffer& operator=(device_buffer&& other) noexcept {
+    if (this != &other) {
+      release();
+      ptr_ = std::exchange(other.ptr_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+      allocator_ = other.allocator_;
+    }
+    return *this;
+  }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  ~device_buffer() { release(); }
+
+  void* get() const noexcept { return ptr_; }
   template <typename T>
   T* as() const noexcept {
-    return static_cast<T*>(ptr_.get());
+    return static_cast<T*>(ptr_);
   }
   std::size_t bytes() const noexcept { return bytes_; }
 
  private:
-  std::unique_ptr<void, cuda_free> ptr_;
+  void release() noexcept {
+    if (ptr_ == nullptr) return;
+    if (allocator_.deallocate == nullptr) {
+      cudaFree(ptr_);
+    } else {
+      allocator_.deallocate(ptr_, bytes_, allocator_.context);
+    }
+    ptr_ = nullptr;
+  }
+
+  void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
+  DeviceAllocator allocator_;
 };
 
 struct cuda_stream_destroy {

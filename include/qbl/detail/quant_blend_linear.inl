@@ -66,9 +66,9 @@ QuantBlendLinear<T>::QuantBlendLinear(std::int64_t in_features, std::int64_t out
       max_tokens_(max_tokens),
       options_(options),
       device_(detail::validated_device(in_features, out_features, max_tokens, sizeof(T))),
-      stats_(stats_bytes),
-      mixed_(detail::checked_bytes(max_tokens, in_features, sizeof(T))),
-      cublas_workspace_(options.cublas_workspace_bytes),
+      stats_(stats_bytes, options.allocator),
+      mixed_(detail::checked_bytes(max_tokens, in_features, sizeof(T)), options.allocator),
+      cublas_workspace_(options.cublas_workspace_bytes, options.allocator),
       gemm_(in_features, out_features, max_tokens, options) {
   QBL_CUDA_TRY(detail::launch_limits<T>(&limits_));
   if (options.backward) {
@@ -76,9 +76,11 @@ QuantBlendLinear<T>::QuantBlendLinear(std::int64_t in_features, std::int64_t out
         std::make_unique<GemmPlan<T>>(GemmSpec::linear_dgrad(in_, out_), max_tokens_, options_);
     wgrad_ =
         std::make_unique<GemmPlan<T>>(GemmSpec::linear_wgrad(in_, out_), max_tokens_, options_);
-    g_mixed_ = detail::device_buffer(detail::checked_bytes(max_tokens, in_features, sizeof(T)));
-    bias_scratch_ = detail::device_buffer(detail::checked_bytes(out_features, 1, sizeof(T)));
-    side_workspace_ = detail::device_buffer(options.cublas_workspace_bytes);
+    g_mixed_ = detail::device_buffer(detail::checked_bytes(max_tokens, in_features, sizeof(T)),
+                                     options.allocator);
+    bias_scratch_ =
+        detail::device_buffer(detail::checked_bytes(out_features, 1, sizeof(T)), options.allocator);
+    side_workspace_ = detail::device_buffer(options.cublas_workspace_bytes, options.allocator);
     cudaStream_t side = nullptr;
     QBL_CUDA_TRY(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
     side_stream_.reset(side);
