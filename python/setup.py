@@ -4,7 +4,9 @@
 
 The extension is compiled from the library's own headers (../include); nothing is copied.
 Environment: TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: those of the visible
-GPUs, as torch.utils.cpp_extension decides); QBL_INCLUDE_DIR points at another checkout's include/.
+GPUs, as torch.utils.cpp_extension decides); QBL_INCLUDE_DIR points at another checkout's include/;
+QBL_CXX_STD sets the C++ standard (default c++17, the library's; torch releases that need C++20
+for their own headers build with QBL_CXX_STD=c++20).
 """
 
 import os
@@ -19,6 +21,7 @@ if not (INCLUDE / "qbl" / "qbl.cuh").is_file():
     raise RuntimeError(
         f"qbl headers not found under {INCLUDE}: install from a qbl checkout "
         "(pip install --no-build-isolation ./python) or set QBL_INCLUDE_DIR")
+STD = os.environ.get("QBL_CXX_STD", "c++17")
 
 
 def version() -> str:
@@ -43,7 +46,7 @@ setup(
             libraries=["cublasLt"],
             # IEEE arithmetic as the library requires: no fast math, no FMA contraction beyond
             # what the headers ask for.
-            extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17"]},
+            extra_compile_args={"cxx": ["-O3", f"-std={STD}"], "nvcc": ["-O3", f"-std={STD}"]},
         )
     ],
     cmdclass={"build_ext": BuildExtension},

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Everything qbl runs on a GPU, in one go: build, the whole test suite, the sanitizers, the torch
-# drop-in's checks and the benchmark. Each stage writes its log to LOGDIR and has a time limit, so
+# Everything qbl runs on a GPU, in one go: build, the whole test suite, the sanitizers, the
+# PyTorch package (installed, then its pytest suite), the PyTorch timings and the benchmark. Each stage writes its log to LOGDIR and has a time limit, so
 # that one slow stage cannot starve the others; the summary at the end says what passed.
 #
-#   tools/gpu_check.sh [stage ...]          stages: build test sanitize compare bench (default: all)
+#   tools/gpu_check.sh [stage ...]   stages: build test sanitize package pytest compare bench
+#                                    (default: all)
 #
 # Environment: LOGDIR (default build-gpu/logs), BUILD (default build-gpu), JOBS (default nproc),
-# COMPARE_ARGS / BENCH_ARGS (extra arguments), and per-stage limits in seconds:
-# TEST_S (900), SANITIZE_S (900), COMPARE_S (900), BENCH_S (900).
+# PYTHON (default python3), COMPARE_ARGS / BENCH_ARGS / PYTEST_ARGS (extra arguments), and
+# per-stage limits in seconds: TEST_S (900), SANITIZE_S (900), PACKAGE_S (600), PYTEST_S (900),
+# COMPARE_S (900), BENCH_S (900).
 # The test and sanitize stages run with QBL_REQUIRE_GPU=1: a GPU test fails, not skips, where no
 # GPU is usable, so a broken machine cannot report everything passed.
 set -uo pipefail
@@ -17,7 +19,8 @@ LOGDIR=${LOGDIR:-$BUILD/logs}
 JOBS=${JOBS:-$(nproc)}
 mkdir -p "$LOGDIR"
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(build test sanitize compare bench)
+[ ${#stages[@]} -gt 0 ] || stages=(build test sanitize package pytest compare bench)
+PYTHON=${PYTHON:-python3}
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
@@ -57,9 +60,30 @@ if has sanitize; then
   sed 's/^/   /' "$LOGDIR/sanitize.log"
 fi
 
+if has package; then
+  t=$(date +%s)
+  if TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=$JOBS timeout "${PACKAGE_S:-600}" \
+       "$PYTHON" -m pip install --no-build-isolation --no-deps -v ./python >"$LOGDIR/package.log" 2>&1 &&
+     (cd /tmp && "$PYTHON" -c 'import qbl, torch; print("qbl", qbl.__file__, "torch", torch.__version__)') \
+       >>"$LOGDIR/package.log" 2>&1; then
+    note "package: installed ($(secs $t) s): $(tail -n 1 "$LOGDIR/package.log")"
+  else
+    note "package: FAILED ($(secs $t) s)"; grep -E 'error|Error' "$LOGDIR/package.log" | head -n 40
+  fi
+fi
+
+if has pytest; then
+  t=$(date +%s)
+  QBL_REQUIRE_GPU=1 timeout "${PYTEST_S:-900}" "$PYTHON" -m pytest python/tests -q -rfEs \
+    -p no:cacheprovider ${PYTEST_ARGS:-} >"$LOGDIR/pytest.log" 2>&1
+  rc=$?
+  note "pytest (rc $rc, $(secs $t) s): $(tail -n 1 "$LOGDIR/pytest.log")"
+  grep -E '^(FAILED|ERROR)' "$LOGDIR/pytest.log" | head -n 30
+fi
+
 if has compare; then
   t=$(date +%s)
-  timeout "${COMPARE_S:-900}" python3 examples/pytorch/compare.py ${COMPARE_ARGS:-} \
+  timeout "${COMPARE_S:-900}" "$PYTHON" examples/pytorch/compare.py ${COMPARE_ARGS:-} \
     >"$LOGDIR/compare.log" 2>&1
   rc=$?
   note "compare.py ${COMPARE_ARGS:-} (rc $rc, $(secs $t) s): $(tail -n 1 "$LOGDIR/compare.log")"

@@ -1,29 +1,16 @@
 #!/usr/bin/env python3
-"""Correctness and speed of ModelNew (qbl) against the PyTorch reference Model.
+"""Timing of ModelNew (qbl) against the reference Model: eager, torch.compile and bare GEMMs.
 
-    python3 examples/pytorch/compare.py                       # every BENCH_SHAPE
-    python3 examples/pytorch/compare.py --shapes 1x8x1024,4   # a subset (BxTxD or an index)
+    pip install --no-build-isolation ./python                    # once, from the repository root
+    python3 examples/pytorch/compare.py                          # every BENCH_SHAPE, fp32 and bf16
+    python3 examples/pytorch/compare.py --shapes 0,32x1024x1024 --dtypes bfloat16 --quick
     python3 examples/pytorch/compare.py --out results.md --csv results.csv
 
-Per shape (B, T, D):
-  * allclose: 5 trials, each torch.manual_seed(trial) + fresh get_inputs, Model and ModelNew
-    sharing one state dict, torch.allclose(new, ref, atol=1e-2, rtol=1e-2) (what kernel
-    benchmarks check);
-  * rel err: ||out - ref64||_F / ||ref64||_F against the reference run in float64, for ModelNew
-    and (for context) for eager fp32; ModelNew passes if its error is at most
-    max(--rel-factor * eager's, --rel-floor);
-  * mixed bit-exact: with out_proj = identity and bias = 0, ModelNew's output must equal eager's
-    `mixed` in value (the identity GEMM's +0 terms turn -0.0 into +0.0, in eager too);
-    Layer.last_mixed(), last_scale() and last_amax() of a directly built Layer must equal eager's
-    mixed, scale and amax bit for bit (-0.0 and +0.0 differ, any NaN equals any NaN);
-  * NaN/Inf: one NaN in x -> every output NaN, one +Inf in x -> every output NaN, one NaN logit
-    -> exactly that row NaN, in both eager and ModelNew;
-  * timing (triton.testing.do_bench, median): eager, torch.compile (default), torch.compile
-    (reduce-overhead), ModelNew -- all under torch.no_grad, TF32 off unless --tf32.
-Once, before the shapes: API checks of the extension (argument errors, empty inputs, 2-D input,
-bias=None, cache growth, a side stream, CUDA-graph capture).
-
-Exits non-zero if any correctness check fails (timings never fail the run).
+Times the forward (no_grad) and the forward + backward of eager Model, torch.compile(Model)
+(default and max-autotune-no-cudagraphs), ModelNew and torch's bare GEMMs, interleaved, with CUDA
+events around each run and the inputs rotating over >= 3 x L2; and the host time of one forward
+call at 1x8x1024. README.md says how. Progress goes to stderr, the markdown tables to stdout.
+Exits non-zero only if something failed to run (a failed sanity check counts: a broken setup).
 """
 
 from __future__ import annotations
@@ -32,8 +19,10 @@ import argparse
 import copy
 import csv
 import gc
+import itertools
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -45,663 +34,435 @@ if HERE not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import qbl_ext  # noqa: E402
+import qbl  # noqa: E402
 from model_new import ModelNew  # noqa: E402
-from reference import BENCH_SHAPES, Model, _fake_quant_symmetric_int8, get_inputs  # noqa: E402
+from reference import BENCH_SHAPES, Model, get_inputs  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VARIANTS = ("eager", "compile", "compile-maxat", "qbl")  # then "gemm", the bare GEMMs
+COMPILE_MODES = {"compile": None, "compile-maxat": "max-autotune-no-cudagraphs"}
+SANITY_TOL = {torch.float32: 1e-2, torch.bfloat16: 6e-2, torch.float16: 2e-2}
+MAX_COPIES, MEM_FRAC = 4096, 0.25  # input copies: at most this many, in this share of free memory
+MAX_BATCH, MIN_ROUNDS = 200, 3  # runs of one variant per round at most; rounds at least
+HOST_SHAPE, HOST_CALLS = (1, 8, 1024), 32  # calls per host batch: too few launches to fill a queue
 
 
-def log(*args):
-    print(*args, flush=True)
+def log(*parts):
+    print(*parts, file=sys.stderr, flush=True)
 
 
-# ------------------------------------------------------------------------------------------------
-# helpers
-# ------------------------------------------------------------------------------------------------
-
-def eager_mixed(x, logits):
-    """The reference formula up to the Linear, op by op, in x's dtype: (mixed, scale, amax)."""
-    alpha = torch.sigmoid(logits).unsqueeze(-1)
-    amax_raw = x.detach().abs().max()
-    amax = amax_raw.clamp(min=1e-8)
-    scale = amax / 127.0
-    x_q = _fake_quant_symmetric_int8(x, scale)
-    mixed = alpha * x_q + (1.0 - alpha) * x
-    return mixed, scale, amax_raw
+def exact_fp32_matmul() -> str:
+    """TF32 off for float32 GEMMs: torch >= 2.9's fp32_precision where it exists (setting the
+    older allow_tf32 there warns), allow_tf32 before."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = "ieee"
+        return 'torch.backends.cuda.matmul.fp32_precision = "ieee"'
+    matmul.allow_tf32 = False
+    return "torch.backends.cuda.matmul.allow_tf32 = False"
 
 
-def rel_fro(out, ref64):
-    diff = out.double() - ref64
-    den = torch.linalg.vector_norm(ref64).item()
-    num = torch.linalg.vector_norm(diff).item()
-    return num / den if den > 0 else num
-
-
-def make_pair(d, dtype, device, seed=0, tf32=False):
-    """Model and ModelNew with one state dict (ModelNew's GEMM in TF32 if `tf32`)."""
-    torch.manual_seed(seed)
-    ref = Model(d).to(device=device, dtype=dtype).eval()
-    new = ModelNew(d).to(device=device, dtype=dtype).eval()
-    new.load_state_dict(ref.state_dict())
-    new.allow_tf32 = tf32
-    return ref, new
-
-
-def mismatch_report(a, b, limit=5, signed_zeros=True):
-    """Number of elements whose bits differ (any NaN equal to any NaN; -0.0 differs from +0.0
-    unless signed_zeros is False) and the first few of them."""
-    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-    same = (a.view(ints[a.dtype]) == b.view(ints[b.dtype])) if signed_zeros else (a == b)
-    ne = ~(same | (torch.isnan(a) & torch.isnan(b)))
-    count = int(ne.sum().item())
-    lines = []
-    if count:
-        idx = torch.nonzero(ne)[:limit]
-        for row in idx.tolist():
-            t = tuple(row)
-            lines.append(f"      at {t}: qbl={a[t].item()!r} eager={b[t].item()!r}")
-    return count, lines
-
-
-class Checks:
-    def __init__(self):
-        self.failures = []
-
-    def check(self, ok, what, detail=""):
-        if not ok:
-            self.failures.append(what + (f" ({detail})" if detail else ""))
-            log(f"    FAIL {what}" + (f": {detail}" if detail else ""))
-        return ok
-
-
-def parse_shapes(spec):
-    if not spec or spec == "all":
+def parse_shapes(spec: str):
+    if spec in ("", "all"):
         return list(BENCH_SHAPES)
     shapes = []
-    for tok in spec.replace(";", ",").split(","):
-        tok = tok.strip().lower()
-        if not tok:
-            continue
+    for tok in (t.strip().lower() for t in spec.replace(";", ",").split(",")):
         if "x" in tok:
-            b, t, d = (int(v) for v in tok.split("x"))
-            shapes.append((b, t, d))
-        else:
+            shapes.append(tuple(int(v) for v in tok.split("x")))
+            if len(shapes[-1]) != 3:
+                raise ValueError(f"{tok!r} is not BxTxD")
+        elif tok:
             shapes.append(BENCH_SHAPES[int(tok)])
     return shapes
 
 
-def bench(fn, warmup, rep):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+def shape_str(shape):
+    return "x".join(str(v) for v in shape)
 
 
-# ------------------------------------------------------------------------------------------------
-# API checks (small sizes, once)
-# ------------------------------------------------------------------------------------------------
-
-def raises(fn, *, expect=(RuntimeError, TypeError, ValueError, IndexError)):
-    try:
-        fn()
-    except expect as e:
-        return True, type(e).__name__
-    except Exception as e:  # noqa: BLE001
-        return False, f"unexpected {type(e).__name__}: {e}"
-    return False, "no exception"
-
-
-# Tolerance of the API checks' comparisons of two GEMMs over the same exact `mixed`: they may run
-# different algorithms, and in 16-bit dtypes the output is rounded to 8 (bf16) or 11 (fp16)
-# significand bits, so a different summation order can move an output by one unit in the last place.
-API_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
-
-
-def api_checks(ext, checks, dtype):
-    log("== API checks")
-    tol = API_TOL[dtype]
-
-    def close(a, b):
-        return torch.allclose(a, b, atol=tol, rtol=tol)
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    d, dout = 64, 48
-    g = torch.Generator(device=dev).manual_seed(7)
-    x = torch.randn(2, 5, d, device=dev, dtype=dtype, generator=g)
-    lg = torch.randn(2, 5, device=dev, dtype=dtype, generator=g)
-    w = torch.randn(dout, d, device=dev, dtype=dtype, generator=g) / math.sqrt(d)
-    b = torch.randn(dout, device=dev, dtype=dtype, generator=g)
-    mixed, scale, amax = eager_mixed(x, lg)
-    ref = F.linear(mixed, w, b)
-
-    layer = ext.Layer(d, dout, 16, False, dtype)
-    checks.check(layer.in_features == d and layer.out_features == dout
-                 and layer.max_tokens == 16 and layer.dtype == dtype
-                 and layer.device == dev and not layer.allow_tf32, "Layer properties", repr(layer))
-    log(f"    {layer!r}  workspace {layer.workspace_bytes / 2**20:.1f} MiB")
-
-    y = layer.forward(x, lg, w, b)
-    checks.check(y.shape == (2, 5, dout) and y.dtype == dtype and y.device == dev,
-                 "Layer.forward output shape/dtype/device", f"{tuple(y.shape)} {y.dtype}")
-    checks.check(close(y, ref), "Layer.forward vs eager",
-                 f"max abs diff {(y - ref).abs().max().item():.3g}")
-    checks.check(same_bits(layer.last_mixed().view_as(mixed), mixed) == 0,
-                 "Layer.last_mixed() (default tokens) == eager mixed")
-    checks.check(layer.last_tokens == 10, "Layer.last_tokens", str(layer.last_tokens))
-    checks.check(same_bits(layer.last_scale(), scale.float()) == 0, "Layer.last_scale() == eager scale",
-                 f"{layer.last_scale().item()!r} vs {scale.item()!r}")
-    checks.check(same_bits(layer.last_amax(), amax.float()) == 0, "Layer.last_amax() == eager amax")
-    checks.check(torch.allclose(layer(x, lg, w, b), y, atol=1e-6, rtol=1e-6), "Layer.__call__")
-
-    # 2-D input, bias=None, module-level forward.
-    y2 = ext.forward(x.view(-1, d), lg.view(-1), w, b)
-    checks.check(y2.shape == (10, dout) and close(y2.view_as(y), y),
-                 "forward with 2-D x")
-    y3 = ext.forward(x, lg, w, None)
-    checks.check(close(y3, F.linear(mixed, w)), "forward bias=None")
-    y4 = layer.forward(x, lg, w)
-    checks.check(close(y4, F.linear(mixed, w)),
-                 "Layer.forward bias omitted")
-
-    # Weight and bias viewed at an odd element offset (any alignment torch allows) still run.
-    w_buf = torch.empty(w.numel() + 1, device=dev, dtype=dtype)
-    b_buf = torch.empty(b.numel() + 1, device=dev, dtype=dtype)
-    w_odd = w_buf[1:].view_as(w)
-    b_odd = b_buf[1:]
-    w_odd.copy_(w)
-    b_odd.copy_(b)
-    y_odd = layer.forward(x, lg, w_odd, b_odd)
-    checks.check(close(y_odd, ref), "weight and bias at an odd element offset")
-
-    # Empty inputs return empty outputs without touching the layer.
-    e1 = ext.forward(x[:0], lg[:0], w, b)
-    e2 = ext.forward(x[:, :0], lg[:, :0], w, b)
-    e3 = layer.forward(x.view(-1, d)[:0], lg.view(-1)[:0], w, b)
-    checks.check(e1.shape == (0, 5, dout) and e2.shape == (2, 0, dout) and e3.shape == (0, dout),
-                 "empty inputs", f"{tuple(e1.shape)} {tuple(e2.shape)} {tuple(e3.shape)}")
-
-    # Argument errors.
-    xt = x.transpose(0, 1)  # non-contiguous, [5, 2, d]
-    cases = {
-        "x on CPU": lambda: ext.forward(x.cpu(), lg.cpu(), w.cpu(), b.cpu()),
-        "weight on CPU": lambda: ext.forward(x, lg, w.cpu(), b),
-        "float64": lambda: ext.forward(x.double(), lg.double(), w.double(), b.double()),
-        "mixed dtypes": lambda: ext.forward(x, lg.double(), w, b),
-        "non-contiguous x": lambda: ext.forward(xt, lg.t(), w, b),
-        "non-contiguous weight": lambda: ext.forward(x, lg, w.t().contiguous().t(), b),
-        "1-D x": lambda: ext.forward(x.view(-1), lg.view(-1), w, b),
-        "4-D x": lambda: ext.forward(x.view(1, 2, 5, d), lg.view(1, 2, 5), w, b),
-        "logits shape": lambda: ext.forward(x, lg.view(-1), w, b),
-        "weight shape": lambda: ext.forward(x, lg, w[:, :-1].contiguous(), b),
-        "bias shape": lambda: ext.forward(x, lg, w, b[:-1].contiguous()),
-        "Layer: weight of another size": lambda: layer.forward(x, lg, w[:-1].contiguous(),
-                                                               b[:-1].contiguous()),
-        "Layer: tokens > max_tokens": lambda: layer.forward(
-            torch.randn(17, d, device=dev, dtype=dtype), torch.randn(17, device=dev, dtype=dtype),
-            w, b),
-        "Layer: non-positive size": lambda: ext.Layer(0, dout, 4),
-        "Layer: unsupported dtype": lambda: ext.Layer(d, dout, 4, False, torch.float64),
-        "last_mixed(tokens > max_tokens)": lambda: layer.last_mixed(17),
-    }
-    for name, fn in cases.items():
-        ok, how = raises(fn)
-        checks.check(ok, f"error for {name}", how)
-        if ok:
-            log(f"    ok   {name}: {how}")
-    ok, how = raises(cases["Layer: tokens > max_tokens"], expect=(IndexError,))
-    log(f"    note tokens > max_tokens raises IndexError: {ok} ({how})")
-
-    # Cache growth: capacities are powers of two, growing on demand.
-    ext.clear_cache()
-    for tokens, cap in ((3, 4), (9, 16), (2, 16), (16, 16), (17, 32)):
-        xx = torch.randn(tokens, d, device=dev, dtype=dtype)
-        ll = torch.randn(tokens, device=dev, dtype=dtype)
-        yy = ext.forward(xx, ll, w, b)
-        rr = F.linear(eager_mixed(xx, ll)[0], w, b)
-        info = [i for i in ext.cache_info() if i["in_features"] == d and i["out_features"] == dout]
-        got = info[0]["max_tokens"] if len(info) == 1 else None
-        checks.check(got == cap and close(yy, rr),
-                     f"cache growth at {tokens} tokens", f"max_tokens {got}, expected {cap}")
-    cached = ext.get_cached_layer(dev.index, d, dout, dtype)
-    checks.check(cached is not None and cached.max_tokens == 32, "get_cached_layer")
-    checks.check(ext.get_cached_layer(dev.index, d + 1, dout, dtype) is None, "get_cached_layer miss")
-    ext.clear_cache()
-    checks.check(len(ext.cache_info()) == 0, "clear_cache")
-
-    # A side stream (torch's streams are non-blocking w.r.t. the legacy default stream).
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fresh = ext.Layer(d, dout, 16, False, dtype)  # constructed while a side stream is current
-        ys = fresh.forward(x, lg, w, b)
-        ms = fresh.last_mixed()
-        ym = ext.forward(x, lg, w, b)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    checks.check(close(ys, ref) and
-                 same_bits(ms.view_as(mixed), mixed) == 0 and
-                 close(ym, ref), "forward on a side stream")
-
-    # CUDA graph capture of ModelNew (the cached layer exists before capture).
-    try:
-        ref_m, new_m = make_pair(d, dtype, dev, seed=3)
-        sx = torch.randn(4, 8, d, device=dev, dtype=dtype)
-        sl = torch.randn(4, 8, device=dev, dtype=dtype)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(side):
-            for _ in range(2):
-                new_m(sx, sl)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph):
-            sy = new_m(sx, sl)
-        ok = True
-        for trial in range(3):
-            sx.copy_(torch.randn_like(sx))
-            sl.copy_(torch.randn_like(sl))
-            graph.replay()
-            with torch.no_grad():
-                want = ref_m(sx, sl)
-            ok = ok and close(sy, want)
-        checks.check(ok, "CUDA graph capture + replay of ModelNew")
-        del graph
-    except Exception as e:  # noqa: BLE001
-        checks.check(False, "CUDA graph capture + replay of ModelNew", f"{type(e).__name__}: {e}")
-    ext.clear_cache()
-    torch.cuda.synchronize()
-    log(f"    API checks: {'ok' if not checks.failures else 'FAILED'}")
-
-
-def same_bits(a, b):
-    """Bitwise equality, any NaN equal to any NaN (as a mismatch count)."""
-    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-    ok = (a.view(ints[a.dtype]) == b.view(ints[b.dtype])) | (torch.isnan(a) & torch.isnan(b))
-    return int((~ok).sum().item())
-
-
-def nonfinite_checks(ext, checks, dtype):
-    """Non-finite and edge inputs, one table: qbl's mixed, scale and amax bit for bit as eager's
-    (NaN for NaN), and qbl's out NaN exactly where eager's is."""
-    log("== non-finite and edge inputs vs eager")
-    dev = torch.device("cuda", torch.cuda.current_device())
-    b, t, d = 2, 19, 96
-    tiny = 1e-5 if dtype == torch.float16 else 1e-39
-    nan, inf = float("nan"), float("inf")
-
-    def put(tensor, index, value):
-        tensor = tensor.clone()
-        tensor.view(-1)[index] = value
-        return tensor
-
-    cases = {
-        "NaN in x": lambda x, l: (put(x, 100, nan), l),
-        "+Inf in x": lambda x, l: (put(x, 3, inf), l),
-        "-Inf in x": lambda x, l: (put(x, x.numel() - 1, -inf), l),
-        "NaN logit": lambda x, l: (x, put(l, 7, nan)),
-        "+Inf logit": lambda x, l: (x, put(l, 7, inf)),
-        "-Inf logit": lambda x, l: (x, put(l, 7, -inf)),
-        "all-zero x": lambda x, l: (torch.zeros_like(x), l),
-        "all -0.0 x": lambda x, l: (torch.full_like(x, -0.0), l),
-        "-0.0 among values": lambda x, l: (x.view(-1).index_fill(0, torch.arange(0, x.numel(), 5, device=dev), -0.0).view_as(x), l),
-        "denormal x": lambda x, l: ((x.float() * tiny).to(dtype), l),
-        "huge x (near max)": lambda x, l: ((x / x.abs().max() * torch.finfo(dtype).max).to(dtype), l),
-    }
-    ref, new = make_pair(d, dtype, dev, seed=11)
-    layer = ext.Layer(d, d, b * t, False, dtype)
-    rows = []
-    for name, make in cases.items():
-        torch.manual_seed(5)
-        x0, l0 = get_inputs(b, t, d, dtype=dtype, device=dev)
-        x, lg = make(x0, l0)
-        mixed, scale, amax = eager_mixed(x, lg)
-        layer.forward(x, lg, ref.out_proj.weight, ref.out_proj.bias)
-        bad_mixed = same_bits(layer.last_mixed().view_as(mixed), mixed)
-        bad_stats = same_bits(layer.last_scale(), scale.float()) + same_bits(layer.last_amax(), amax.float())
-        out_ref, out_new = ref(x, lg), new(x, lg)
-        # Near the top of the range the GEMM overflows, and where inf - inf turns into NaN depends
-        # on the summation order of each library's algorithm: only mixed is compared there.
-        nan_pattern = name.startswith("huge") or bool(torch.equal(torch.isnan(out_ref), torch.isnan(out_new)))
-        ok = checks.check(bad_mixed == 0 and bad_stats == 0 and nan_pattern, f"non-finite: {name}",
-                          f"{bad_mixed} mixed elements differ, stats differ {bad_stats}, "
-                          f"out NaN pattern equal {nan_pattern}")
-        mixed_nan = int(torch.isnan(mixed).sum().item())
-        rows.append(f"    {'ok  ' if ok else 'FAIL'} {name:20s} eager mixed NaN {mixed_nan:5d}/{mixed.numel()}, "
-                    f"out NaN {int(torch.isnan(out_ref).sum().item()):5d}/{out_ref.numel()}; "
-                    f"qbl: mixed bit-equal {bad_mixed == 0}, scale/amax equal {bad_stats == 0}, "
-                    f"out NaN pattern equal {nan_pattern}")
-    for r in rows:
-        log(r)
-    del layer
-    ext.clear_cache()
-
-
-# ------------------------------------------------------------------------------------------------
-# per-shape work
-# ------------------------------------------------------------------------------------------------
-
-def correctness(shape, dtype, dev, args, ext, checks):
-    b, t, d = shape
-    tokens = b * t
-    res = {}
-    ref, new = make_pair(d, dtype, dev, seed=0, tf32=args.tf32)
-    ref64 = copy.deepcopy(ref).double()
-
-    # 1. allclose over trials + relative Frobenius errors against float64.
-    passes, rel_new, rel_eager = 0, 0.0, 0.0
-    for trial in range(args.trials):
-        torch.manual_seed(trial)
-        x, lg = get_inputs(b, t, d, dtype=dtype, device=dev)
-        out_ref = ref(x, lg)
-        out_new = new(x, lg)
-        ok = (out_new.shape == out_ref.shape and out_new.dtype == out_ref.dtype
-              and torch.allclose(out_new, out_ref, atol=args.atol, rtol=args.rtol))
-        if not ok:
-            diff = (out_new - out_ref).abs().max().item() if out_new.shape == out_ref.shape else "-"
-            log(f"    trial {trial}: allclose FAILED (max abs diff {diff})")
-        passes += int(ok)
-        r64 = ref64(x.double(), lg.double())
-        rel_new = max(rel_new, rel_fro(out_new, r64))
-        rel_eager = max(rel_eager, rel_fro(out_ref, r64))
-        del x, lg, out_ref, out_new, r64
-    res["allclose"] = f"{passes}/{args.trials}"
-    res["allclose_pass"] = passes
-    res["rel_err_qbl"] = rel_new
-    res["rel_err_eager"] = rel_eager
-    checks.check(passes == args.trials, f"{shape}: allclose", res["allclose"])
-    rel_limit = max(args.rel_factor * rel_eager, args.rel_floor)
-    checks.check(rel_new <= rel_limit, f"{shape}: rel err vs float64",
-                 f"{rel_new:.3e} > limit {rel_limit:.3e} (eager {rel_eager:.3e})")
-
-    # 2. mixed bit-exactness.
-    torch.manual_seed(1000)
-    x, lg = get_inputs(b, t, d, dtype=dtype, device=dev)
-    mixed, scale, amax = eager_mixed(x, lg)
-    ident = ModelNew(d).to(device=dev, dtype=dtype).eval()
-    ident.out_proj.weight.copy_(torch.eye(d, device=dev, dtype=dtype))
-    ident.out_proj.bias.zero_()
-    out_id = ident(x, lg)
-    # Through the identity GEMM every output is a sum with +0 terms, which turns a -0.0 of mixed
-    # into +0.0 (in eager's matmul too): compare values here, bits on last_mixed below.
-    n_bad, lines = mismatch_report(out_id, mixed, signed_zeros=False)
-    exact_model = checks.check(n_bad == 0, f"{shape}: ModelNew(identity) == eager mixed",
-                               f"{n_bad} of {mixed.numel()} elements differ")
-    for line in lines:
-        log(line)
-
-    layer = ext.Layer(d, d, tokens, False, dtype)
-    layer.forward(x, lg, ref.out_proj.weight, ref.out_proj.bias)
-    lm = layer.last_mixed(tokens).view(b, t, d)
-    n_bad2, lines2 = mismatch_report(lm, mixed)
-    exact_layer = checks.check(n_bad2 == 0, f"{shape}: Layer.last_mixed == eager mixed",
-                               f"{n_bad2} of {mixed.numel()} elements differ")
-    for line in lines2:
-        log(line)
-    exact_scale = checks.check(same_bits(layer.last_scale(), scale.float()) == 0,
-                               f"{shape}: Layer.last_scale == eager scale",
-                               f"{layer.last_scale().item()!r} vs {scale.item()!r}")
-    exact_amax = checks.check(same_bits(layer.last_amax(), amax.float()) == 0,
-                              f"{shape}: Layer.last_amax == eager amax")
-    res["mixed_exact"] = exact_model and exact_layer and exact_scale and exact_amax
-    res["mixed_mismatches"] = n_bad + n_bad2
-    del layer, lm, ident, out_id
-
-    # 3. NaN / Inf propagation (random weights).
-    nan_ok = True
-    mid = x.numel() // 2
-    for label, value in (("NaN in x", float("nan")), ("+Inf in x", float("inf"))):
-        xs = x.clone()
-        xs.view(-1)[mid] = value
-        for who, m in (("eager", ref), ("qbl", new)):
-            o = m(xs, lg)
-            ok = bool(torch.isnan(o).all().item())
-            nan_ok &= checks.check(ok, f"{shape}: {label} -> all NaN ({who})",
-                                   f"{int(torch.isnan(o).sum().item())} of {o.numel()} NaN")
-    ls = lg.clone()
-    rb, rt = b // 2, t // 2
-    ls[rb, rt] = float("nan")
-    for who, m in (("eager", ref), ("qbl", new)):
-        o = m(x, ls)
-        row_nan = bool(torch.isnan(o[rb, rt]).all().item())
-        others = torch.ones(b, t, dtype=torch.bool, device=dev)
-        others[rb, rt] = False
-        rest_finite = bool(torch.isfinite(o[others]).all().item())
-        nan_ok &= checks.check(row_nan and rest_finite, f"{shape}: NaN logit -> its row NaN ({who})",
-                               f"row all NaN {row_nan}, other rows finite {rest_finite}")
-    res["nan_ok"] = nan_ok
-    del x, lg, mixed, ref64
-    return ref, new, res
-
-
-def timing(shape, dtype, dev, args, ref, new):
-    b, t, d = shape
+def make_models(d, dtype):
+    """The reference Model and ModelNew with one state dict."""
     torch.manual_seed(0)
-    x, lg = get_inputs(b, t, d, dtype=dtype, device=dev)
-    res = {}
-    res["eager_ms"] = bench(lambda: ref(x, lg), args.warmup, args.rep)
-
-    def compiled_ms(mode):
-        if args.no_compile:
-            return float("nan")
-        torch._dynamo.reset()
-        try:
-            t0 = time.perf_counter()
-            fn = torch.compile(ref, dynamic=False, mode=mode)
-            for _ in range(3):  # compile + (reduce-overhead) cudagraph warm-up and record
-                if mode == "reduce-overhead":
-                    torch.compiler.cudagraph_mark_step_begin()
-                fn(x, lg)
-            torch.cuda.synchronize()
-            log(f"    torch.compile(mode={mode}) ready in {time.perf_counter() - t0:.1f} s")
-            if mode == "reduce-overhead":
-                def call():
-                    torch.compiler.cudagraph_mark_step_begin()
-                    return fn(x, lg)
-            else:
-                def call():
-                    return fn(x, lg)
-            return bench(call, args.warmup, args.rep)
-        except Exception as e:  # noqa: BLE001 -- a compile failure is not a qbl failure
-            log(f"    torch.compile(mode={mode}) failed: {type(e).__name__}: {e}")
-            traceback.print_exc()
-            return float("nan")
-
-    res["compile_ms"] = compiled_ms("default")
-    res["compile_ro_ms"] = float("nan") if args.no_reduce_overhead else compiled_ms("reduce-overhead")
-    torch._dynamo.reset()
-    new(x, lg)  # the cached layer is already sized for these tokens
-    res["qbl_ms"] = bench(lambda: new(x, lg), args.warmup, args.rep)
-    for key, base in (("vs_eager", "eager_ms"), ("vs_compile", "compile_ms"),
-                      ("vs_compile_ro", "compile_ro_ms")):
-        res[key] = res[base] / res["qbl_ms"] if res["qbl_ms"] > 0 else float("nan")
-    del x, lg
-    return res
+    eager = Model(d).to(device="cuda", dtype=dtype)
+    new = ModelNew(d).to(device="cuda", dtype=dtype)
+    new.load_state_dict(eager.state_dict())
+    return eager, new
 
 
-# ------------------------------------------------------------------------------------------------
-# output
-# ------------------------------------------------------------------------------------------------
-
-COLUMNS = ["shape", "allclose", "rel err qbl", "rel err eager", "mixed bit-exact", "NaN/Inf",
-           "eager ms", "compile ms", "compile-ro ms", "qbl ms", "vs eager", "vs compile",
-           "vs compile-ro"]
-
-
-def fmt_ms(v):
-    return "n/a" if v is None or math.isnan(v) else f"{v:.4f}"
-
-
-def fmt_x(v):
-    return "n/a" if v is None or math.isnan(v) else f"{v:.2f}x"
-
-
-def table_row(r):
-    return [f"{r['shape'][0]}x{r['shape'][1]}x{r['shape'][2]}", r.get("allclose", "-"),
-            f"{r['rel_err_qbl']:.2e}" if "rel_err_qbl" in r else "-",
-            f"{r['rel_err_eager']:.2e}" if "rel_err_eager" in r else "-",
-            ("yes" if r.get("mixed_exact") else f"NO ({r.get('mixed_mismatches', '?')})")
-            if "mixed_exact" in r else "-",
-            ("ok" if r.get("nan_ok") else "FAIL") if "nan_ok" in r else "-",
-            fmt_ms(r.get("eager_ms")), fmt_ms(r.get("compile_ms")), fmt_ms(r.get("compile_ro_ms")),
-            fmt_ms(r.get("qbl_ms")), fmt_x(r.get("vs_eager")), fmt_x(r.get("vs_compile")),
-            fmt_x(r.get("vs_compile_ro"))]
+def rotation(shape, dtype, rotate_mb):
+    """Copies of x and logits (both requiring grad) and of g, their bytes adding up to >=
+    rotate_mb MiB: at least 2, at most MAX_COPIES and what MEM_FRAC of the free memory holds."""
+    b, t, d = shape
+    per_copy = (2 * b * t * d + b * t) * torch.finfo(dtype).bits // 8
+    fits = int(torch.cuda.mem_get_info()[0] * MEM_FRAC) // per_copy
+    count = max(2, min(math.ceil(rotate_mb * 2**20 / per_copy), MAX_COPIES, fits))
+    xs, ls, gs = [], [], []
+    for _ in range(count):
+        x, logits = get_inputs(b, t, d, dtype=dtype, device="cuda")
+        xs.append(x.requires_grad_())
+        ls.append(logits.requires_grad_())
+        gs.append(torch.randn(b, t, d, dtype=dtype, device="cuda"))
+    log(f"    inputs rotate over {count} copies ({count * per_copy / 2**20:.0f} MiB)")
+    return xs, ls, gs
 
 
-def markdown(rows, header_lines):
-    out = list(header_lines) + [""]
-    out.append("| " + " | ".join(COLUMNS) + " |")
-    out.append("|" + "|".join("---" for _ in COLUMNS) + "|")
-    for r in rows:
-        out.append("| " + " | ".join(table_row(r)) + " |")
-    return "\n".join(out) + "\n"
+def sanity_check(eager, new, x, logits):
+    """Raises unless ModelNew's forward is close to eager's and records autograd."""
+    with torch.no_grad():
+        want, got = eager(x, logits), new(x, logits)
+    tol = SANITY_TOL[x.dtype]
+    if not torch.allclose(got, want, atol=tol, rtol=tol):
+        diff = (got.float() - want.float()).abs().max().item()
+        raise RuntimeError(f"sanity check: ModelNew's forward differs from eager's by {diff:.3g}")
+    if not new(x, logits).requires_grad:
+        raise RuntimeError("sanity check: ModelNew's output does not require grad")
 
 
-def write_csv(path, rows):
-    keys = ["B", "T", "D", "tokens", "allclose_pass", "trials", "rel_err_qbl", "rel_err_eager",
-            "mixed_exact", "mixed_mismatches", "nan_ok", "eager_ms", "compile_ms", "compile_ro_ms",
-            "qbl_ms", "vs_eager", "vs_compile", "vs_compile_ro", "error"]
-    with open(path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        wr.writeheader()
-        for r in rows:
-            b, t, d = r["shape"]
-            wr.writerow({"B": b, "T": t, "D": d, "tokens": b * t, **r})
-
-
-# ------------------------------------------------------------------------------------------------
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="all",
-                    help="comma-separated BxTxD or indices into BENCH_SHAPES (default: all)")
-    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    ap.add_argument("--tf32", action="store_true",
-                    help="float32 with TF32 GEMMs: torch.backends.cuda.matmul.allow_tf32 = True for "
-                         "eager and torch.compile, ModelNew.allow_tf32 = True for qbl")
-    ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--atol", type=float, default=1e-2)
-    ap.add_argument("--rtol", type=float, default=1e-2)
-    ap.add_argument("--rel-factor", type=float, default=2.0,
-                    help="ModelNew's rel err may be at most this times eager's ...")
-    ap.add_argument("--rel-floor", type=float, default=1e-5, help="... or this, if larger")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile timings")
-    ap.add_argument("--no-reduce-overhead", action="store_true",
-                    help="time torch.compile's default mode only (each mode compiles anew per shape)")
-    ap.add_argument("--no-timing", action="store_true", help="correctness only")
-    ap.add_argument("--skip-api-checks", action="store_true")
-    ap.add_argument("--out", default=None, help="write the markdown table here")
-    ap.add_argument("--csv", default=None, help="write the results as CSV here")
-    args = ap.parse_args()
-
-    if not torch.cuda.is_available():
-        log("compare.py needs a CUDA device")
-        return 2
-    dtype = DTYPES[args.dtype]
-    dev = torch.device("cuda", torch.cuda.current_device())
-    if args.tf32 and dtype != torch.float32:
-        ap.error("--tf32 needs --dtype float32")
-    if dtype == torch.float32:
-        torch.backends.cuda.matmul.allow_tf32 = args.tf32
-        torch.backends.cudnn.allow_tf32 = args.tf32
-
-    t_start = time.perf_counter()
+def compile_model(model, mode, x, logits):
+    """torch.compile(model), traced once on (x, logits) under no_grad: fullgraph=True, or False
+    where the graph does not trace whole."""
     t0 = time.perf_counter()
-    ext = qbl_ext.load()
-    log(f"qbl_torch extension ready in {time.perf_counter() - t0:.1f} s (qbl {ext.qbl_version})")
+    for fullgraph in (True, False):
+        fn = torch.compile(model, mode=mode, dynamic=False, fullgraph=fullgraph)
+        try:
+            with torch.no_grad():
+                fn(x, logits)
+            log(f"    torch.compile(mode={mode}, fullgraph={fullgraph}) "
+                f"{time.perf_counter() - t0:.1f} s")
+            return fn
+        except Exception as e:  # noqa: BLE001
+            if not fullgraph:
+                raise
+            log(f"    torch.compile(mode={mode}, fullgraph=True) did not trace: {type(e).__name__}")
 
+
+# What is timed: name -> (prep, run), both taking the rotation index; prep (or None) is untimed.
+
+def forward_runs(models, xs, ls):
+    def runner(model):
+        return lambda i: model(xs[i], ls[i])
+    return {name: (None, runner(m)) for name, m in models.items()}
+
+
+def training_runs(models, xs, ls, gs):
+    def pair(model):
+        params = list(model.parameters())
+
+        def prep(i):  # every gradient to None: no run accumulates into an existing .grad
+            xs[i].grad = ls[i].grad = None
+            for p in params:
+                p.grad = None
+
+        def run(i):
+            model(xs[i], ls[i]).backward(gs[i])
+        return prep, run
+    return {name: pair(m) for name, m in models.items()}
+
+
+def gemm_run(linear, xs, gs, backward):
+    """torch's GEMMs on a ready `mixed` (the rotating x stands in for it): F.linear(mixed, W, b),
+    and with `backward` also dgrad g @ W and wgrad g^T @ mixed, g.sum(0)."""
+    w, b = linear.weight.detach(), linear.bias.detach()
+
+    def run(i):
+        mixed = xs[i].detach().view(-1, w.shape[1])
+        F.linear(mixed, w, b)
+        if backward:
+            g = gs[i].view(-1, w.shape[0])
+            g @ w
+            g.t() @ mixed
+            g.sum(0)
+    return None, run
+
+
+def timed_batch(prep, run, k, order):
+    """k runs, each on the next rotation index and between its own two CUDA events: ms each."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(k)]
+    for start, end in events:
+        i = next(order)
+        if prep is not None:
+            prep(i)
+        start.record()
+        run(i)
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def warm_up(runs, order, args, label, failures):
+    """Runs each variant args.warmup times (compiling what is compiled), dropping those that
+    raise. Returns name -> (prep, run, runs per round of about args.round_ms)."""
+    ready = {}
+    for name, (prep, run) in runs.items():
+        t0 = time.perf_counter()
+        try:
+            timed_batch(prep, run, args.warmup, order)
+            est = statistics.median(timed_batch(prep, run, 5, order))
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            failures.append(f"{label} {name}: {type(e).__name__}: {e}")
+            continue
+        if time.perf_counter() - t0 > 2:
+            log(f"    {name}: warm-up {time.perf_counter() - t0:.1f} s")
+        ready[name] = (prep, run, max(1, min(MAX_BATCH, int(args.round_ms / max(est, 1e-3)))))
+    return ready
+
+
+def time_interleaved(ready, order, args):
+    """Rounds in which every variant runs its batch, until each has args.samples times and
+    MIN_ROUNDS rounds have passed. Returns name -> list of ms."""
+    times = {name: [] for name in ready}
+    rounds = 0
+    while times and (rounds < MIN_ROUNDS or min(map(len, times.values())) < args.samples):
+        for name, (prep, run, k) in ready.items():
+            times[name] += timed_batch(prep, run, k, order)
+        rounds += 1
+    return times
+
+
+def do_bench_ms(runs):
+    """triton.testing.do_bench medians (ms) on the first input copy, no rotation: a cross-check."""
+    import triton.testing
+    return {name: triton.testing.do_bench(lambda: run(0), return_mode="median")
+            for name, (_, run) in runs.items()}
+
+
+def bench_shape(shape, dtype, args, failures):
+    """{(variant, mode): list of ms} for one shape and dtype, modes "fwd" and "fwd+bwd"."""
+    label = f"{shape_str(shape)} {str(dtype).replace('torch.', '')}"
+    log(f"== {label}")
+    torch._dynamo.reset()
+    xs, ls, gs = rotation(shape, dtype, args.rotate_mb)
+    eager, new = make_models(shape[2], dtype)
+    sanity_check(eager, new, xs[0], ls[0])
+    models = {"eager": eager}
+    for name, mode in COMPILE_MODES.items():
+        if args.compile and (mode is None or args.max_autotune):
+            try:
+                models[name] = compile_model(copy.deepcopy(eager), mode, xs[0], ls[0])
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                failures.append(f"{label} {name}: {type(e).__name__}: {e}")
+    models["qbl"] = new
+    order = itertools.cycle(range(len(xs)))
+    results = {}
+    for mode, grad in (("fwd", False), ("fwd+bwd", True)):
+        with torch.set_grad_enabled(grad):
+            runs = training_runs(models, xs, ls, gs) if grad else forward_runs(models, xs, ls)
+            runs["gemm"] = gemm_run(eager.out_proj, xs, gs, backward=grad)
+            times = time_interleaved(warm_up(runs, order, args, f"{label} {mode}", failures),
+                                     order, args)
+            if args.cross_check and not grad:
+                cross = do_bench_ms(runs)
+                log("    do_bench fwd: " + ", ".join(f"{n} {v:.4f}" for n, v in cross.items()))
+        results.update({(name, mode): v for name, v in times.items()})
+        log(f"    {mode} ms: " + ", ".join(f"{n} {statistics.median(v):.4f}"
+                                         for n, v in times.items()))
+    return results
+
+
+def sleep_cycles_per_ms():
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    return 10**7 / start.elapsed_time(end)
+
+
+def host_batch_us(call, n, sleep_cycles):
+    """Host time per call (us) of n calls enqueued behind a GPU sleep of sleep_cycles, so that no
+    launch waits for the GPU; the clock stops before the synchronize."""
+    torch.cuda.synchronize()
+    if sleep_cycles:
+        torch.cuda._sleep(sleep_cycles)
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        call()
+    t1 = time.perf_counter_ns()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n / 1e3
+
+
+def host_overhead(dtype, args):
+    """call -> per-call host times (us), one per batch of HOST_CALLS, the calls taking turns."""
+    b, t, d = HOST_SHAPE
+    eager, new = make_models(d, dtype)
+    x, logits = get_inputs(b, t, d, dtype=dtype, device="cuda")
+    xg, lg = x.clone().requires_grad_(), logits.clone().requires_grad_()
+    calls = {"nn.Linear (no_grad)": (False, lambda: eager.out_proj(x)),
+             "eager Model (no_grad)": (False, lambda: eager(x, logits)),
+             "qbl ModelNew (no_grad)": (False, lambda: new(x, logits)),
+             "eager Model (grad)": (True, lambda: eager(xg, lg)),
+             "qbl ModelNew (grad)": (True, lambda: new(xg, lg))}
+    per_ms, sleep = sleep_cycles_per_ms(), {}
+    for name, (grad, call) in calls.items():  # warm-up; then sleep 4x a batch's host time
+        with torch.set_grad_enabled(grad):
+            us = min(host_batch_us(call, HOST_CALLS, 0) for _ in range(3))
+        sleep[name] = int(per_ms * max(1.0, 4e-3 * us * HOST_CALLS))
+    times = {name: [] for name in calls}
+    for _ in range(args.host_batches):
+        for name, (grad, call) in calls.items():
+            with torch.set_grad_enabled(grad):
+                times[name].append(host_batch_us(call, HOST_CALLS, sleep[name]))
+    return times
+
+
+def fmt(v, spec="{:.4f}"):
+    return "n/a" if math.isnan(v) else spec.format(v)
+
+
+def dtype_table(dtype_name, per_shape):
+    """Markdown table of one dtype; per_shape: [(shape, {(variant, mode): ms list} or None)]."""
+    head = (["shape"] + [f"fwd {v} ms" for v in VARIANTS] + [f"fwd+bwd {v} ms" for v in VARIANTS]
+            + ["3 bare GEMMs ms", "qbl fwd+bwd speedup vs compile", "vs compile-maxat"])
+    lines = [f"## {dtype_name}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape, res in per_shape:
+        med = {k: statistics.median(v) for k, v in (res or {}).items()}
+        get = lambda v, m: med.get((v, m), float("nan"))  # noqa: E731
+        cells = [fmt(get(v, m)) for m in ("fwd", "fwd+bwd") for v in VARIANTS]
+        cells.append(fmt(get("gemm", "fwd+bwd")))
+        cells += [fmt(get(c, "fwd+bwd") / get("qbl", "fwd+bwd"), "{:.2f}x")
+                  for c in ("compile", "compile-maxat")]
+        cells = cells if res else ["failed"] * len(cells)
+        lines.append(f"| {shape_str(shape)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def host_table(host):
+    """host: {dtype_name: {call: list of us}}."""
+    calls = list(next(iter(host.values())))
+    lines = [f"## Host time per forward call, {shape_str(HOST_SHAPE)} (us, median of batches)",
+             "", "| call | " + " | ".join(host) + " |", "|" + "---|" * (len(host) + 1)]
+    for call in calls:
+        lines.append(f"| {call} | " + " | ".join(
+            fmt(statistics.median(h[call]), "{:.1f}") for h in host.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def csv_rows(shape, dtype_name, results, unit="ms"):
+    for (variant, mode), v in results.items():
+        q = statistics.quantiles(v, n=10) if len(v) > 1 else v * 9
+        yield {"shape": shape_str(shape), "dtype": dtype_name, "variant": variant, "mode": mode,
+               "unit": unit, "median": statistics.median(v), "p10": q[0], "p90": q[-1],
+               "samples": len(v)}
+
+
+def header(args, precision):
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
-        triton_version = "missing"
-        if not args.no_timing:
-            log("triton is not installed: timings are skipped (--no-timing)")
-            args.no_timing = True
+        triton_version = "not installed"
+    try:
+        from importlib.metadata import version
+        qbl_version = version("qbl")
+    except Exception:  # noqa: BLE001
+        qbl_version = "unknown"
+    return "\n".join([
+        "# qbl vs PyTorch: quantize-blend-linear, forward and forward + backward", "",
+        f"- {props.name}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton "
+        f"{triton_version}, qbl {qbl_version}; {precision}",
+        f"- medians of >= {args.samples} runs per variant, each between CUDA events, variants "
+        f"interleaved; x, logits and g rotate over >= {args.rotate_mb:.0f} MiB where memory allows",
+        "- fwd: under torch.no_grad. fwd+bwd: out.backward(g); x, logits and parameters require "
+        "grad; all gradients are set to None before each run, outside the timed region",
+        "- compile: torch.compile(Model, dynamic=False, fullgraph=True); compile-maxat: "
+        "mode=\"max-autotune-no-cudagraphs\"; 3 bare GEMMs: torch's F.linear(mixed, W, b), g @ W, "
+        "g^T @ mixed and g.sum(0); speedup: compile time / qbl time", ""])
 
-    props = torch.cuda.get_device_properties(dev)
-    header = [
-        "# qbl vs PyTorch: quantize-blend-linear",
-        "",
-        f"- device: {props.name} ({dev}), torch {torch.__version__}, CUDA {torch.version.cuda}, "
-        f"triton {triton_version}, qbl {ext.qbl_version}",
-        f"- dtype {args.dtype}; TF32 {'on' if args.tf32 else 'off'} (torch.backends.cuda.matmul.allow_tf32 = "
-        f"{torch.backends.cuda.matmul.allow_tf32}, ModelNew.allow_tf32 = {args.tf32}); mixed bit-exact "
-        "checks run the exact GEMM; all runs under torch.no_grad",
-        f"- allclose: {args.trials} trials, atol={args.atol}, rtol={args.rtol}; rel err: "
-        f"||out - ref64||_F / ||ref64||_F (max over trials), limit "
-        f"max({args.rel_factor} x eager, {args.rel_floor:g})",
-        "- mixed bit-exact: ModelNew with identity weight / zero bias, and Layer.last_mixed / "
-        "last_scale / last_amax, bit for bit as eager (mismatching elements in parentheses)",
-        "- times: triton.testing.do_bench median (ms), warmup "
-        f"{args.warmup} ms, rep {args.rep} ms; speedup = other time / qbl time",
-    ]
 
-    checks = Checks()
-    with torch.no_grad():
-        if not args.skip_api_checks:
-            try:
-                api_checks(ext, checks, dtype)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                checks.check(False, "API checks raised", f"{type(e).__name__}: {e}")
-            try:
-                nonfinite_checks(ext, checks, dtype)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                checks.check(False, "non-finite checks raised", f"{type(e).__name__}: {e}")
-
-        rows = []
-        for shape in parse_shapes(args.shapes):
-            b, t, d = shape
-            log(f"== shape B={b} T={t} D={d} ({b * t} tokens)")
-            row = {"shape": shape, "trials": args.trials}
-            ts = time.perf_counter()
-            try:
-                ref, new, res = correctness(shape, dtype, dev, args, ext, checks)
-                row.update(res)
-                log(f"    allclose {res['allclose']}, rel err qbl {res['rel_err_qbl']:.2e} "
-                    f"eager {res['rel_err_eager']:.2e}, mixed bit-exact {res['mixed_exact']}, "
-                    f"NaN/Inf {'ok' if res['nan_ok'] else 'FAIL'}")
-                if not args.no_timing:
-                    row.update(timing(shape, dtype, dev, args, ref, new))
-                    log(f"    eager {fmt_ms(row['eager_ms'])} ms, compile "
-                        f"{fmt_ms(row['compile_ms'])} ms, compile-ro {fmt_ms(row['compile_ro_ms'])} "
-                        f"ms, qbl {fmt_ms(row['qbl_ms'])} ms -> {fmt_x(row['vs_eager'])} vs eager, "
-                        f"{fmt_x(row['vs_compile'])} vs compile, {fmt_x(row['vs_compile_ro'])} "
-                        "vs compile-ro")
-                del ref, new
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row["error"] = f"{type(e).__name__}: {e}"
-                checks.check(False, f"{shape}: raised", row["error"])
-            rows.append(row)
-            log(f"    ({time.perf_counter() - ts:.1f} s)")
-            ext.clear_cache()
-            torch._dynamo.reset()
-            gc.collect()
-            torch.cuda.empty_cache()
-
-    text = markdown(rows, header)
-    log("")
-    log(text)
+def write_files(args, text, rows):
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
-            if checks.failures:
-                f.write("\nFailed checks:\n\n" + "".join(f"- {m}\n" for m in checks.failures))
-        log(f"wrote {args.out}")
     if args.csv:
-        write_csv(args.csv, rows)
-        log(f"wrote {args.csv}")
-    log(f"total {time.perf_counter() - t_start:.1f} s")
-    if checks.failures:
-        log(f"{len(checks.failures)} correctness check(s) FAILED:")
-        for m in checks.failures:
-            log(f"  - {m}")
-        return 1
-    log("all correctness checks passed")
-    return 0
+        with open(args.csv, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["shape"])
+            wr.writeheader()
+            wr.writerows(rows)
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="all",
+                    help="BxTxD or BENCH_SHAPES indices, comma-separated")
+    ap.add_argument("--dtypes", "--dtype", default="float32,bfloat16",
+                    help="comma-separated, of " + ", ".join(DTYPES))
+    ap.add_argument("--quick", action="store_true", help="fewer samples, warm-up runs, batches")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
+    ap.add_argument("--max-autotune", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time mode=\"max-autotune-no-cudagraphs\" (default: on)")
+    ap.add_argument("--samples", type=int, default=100, help="timed runs per variant, at least")
+    ap.add_argument("--round-ms", type=float, default=5.0, help="GPU time per variant per round")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed runs per variant")
+    ap.add_argument("--rotate-mb", type=float, default=None,
+                    help="MiB of input copies to rotate over (default: 3 x L2, at least 180)")
+    ap.add_argument("--host-batches", type=int, default=100, help="host-time batches per call")
+    ap.add_argument("--no-host", dest="host", action="store_false", help="skip the host times")
+    ap.add_argument("--cross-check", action="store_true",
+                    help="also log triton.testing.do_bench forward times (no rotation)")
+    ap.add_argument("--out", help="also write the markdown here")
+    ap.add_argument("--csv", help="write one row per shape/dtype/variant/mode here")
+    args = ap.parse_args()
+    if args.quick:
+        args.samples, args.warmup, args.host_batches = 25, 3, 20
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if any(d not in DTYPES for d in args.dtypes):
+        ap.error(f"--dtypes: choose from {', '.join(DTYPES)}")
+    try:
+        args.shapes = parse_shapes(args.shapes)
+    except (ValueError, IndexError) as e:
+        ap.error(f"--shapes: {e}")
+    return args
+
+
+def main():
+    args = parse_args()
+    if not torch.cuda.is_available():
+        log("compare.py needs a CUDA device")
+        return 2
+    if args.rotate_mb is None:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        args.rotate_mb = max(180.0, 3 * getattr(props, "L2_cache_size", 0) / 2**20)
+    precision = exact_fp32_matmul()
+    failures, rows, tables, host = [], [], [], {}
+    t_start = time.perf_counter()
+    for dtype_name in args.dtypes:
+        per_shape = []
+        for shape in args.shapes:
+            res = None
+            try:
+                res = bench_shape(shape, DTYPES[dtype_name], args, failures)
+                rows += csv_rows(shape, dtype_name, res)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                failures.append(f"{shape_str(shape)} {dtype_name}: {type(e).__name__}: {e}")
+            per_shape.append((shape, res))
+            torch._dynamo.reset()
+            qbl.clear_cache()
+            gc.collect()
+            torch.cuda.empty_cache()
+        tables.append(dtype_table(dtype_name, per_shape))
+        if args.host:
+            log(f"== host time, {shape_str(HOST_SHAPE)} {dtype_name}")
+            try:
+                host[dtype_name] = host_overhead(DTYPES[dtype_name], args)
+                rows += csv_rows(HOST_SHAPE, dtype_name,
+                                 {(n, "host"): v for n, v in host[dtype_name].items()}, unit="us")
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                failures.append(f"host time {dtype_name}: {type(e).__name__}: {e}")
+    text = "\n".join([header(args, precision)] + tables + ([host_table(host)] if host else []))
+    if failures:
+        text += "\nDid not run:\n\n" + "".join(f"- {f}\n" for f in failures)
+    print(text, flush=True)
+    write_files(args, text, rows)
+    log(f"total {time.perf_counter() - t_start:.0f} s, {len(failures)} failure(s)")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
