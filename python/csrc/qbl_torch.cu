@@ -403,6 +403,13 @@ TORCH_LIBRARY_IMPL(qbl, CUDA, m) {
   m.impl("backward", &qbl_torch::backward);
 }
 
+// CPU tensors reach the same functions, whose first check says that x must be a CUDA tensor
+// (rather than the dispatcher's "no kernel for CPU").
+TORCH_LIBRARY_IMPL(qbl, CPU, m) {
+  m.impl("forward", &qbl_torch::forward);
+  m.impl("backward", &qbl_torch::backward);
+}
+
 // Importing qbl._C registers the operators above; the module itself is empty.
 extern "C" PyObject* PyInit__C() {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};

@@ -73,7 +73,8 @@ def quant_blend_linear(x: torch.Tensor, logits: torch.Tensor, weight: torch.Tens
 
 def clear_cache() -> None:
     """Synchronizes the devices that hold qbl layers and frees every cached layer (plans and
-    workspaces). The next call plans again."""
+    workspaces). The next call plans again. A CUDA graph captured before reads the freed
+    workspaces: capture again after clearing. Not to be called while another thread runs qbl."""
     torch.ops.qbl.clear_cache()
 
 

@@ -1,0 +1,400 @@
+"""The package's API around the math: bad input, tensors on two devices, the module and its state
+dict (with nn.Linear and the examples' ModelNew), the layer cache, planning during CUDA graph
+capture, and the current CUDA stream."""
+
+from __future__ import annotations
+
+import helpers as H  # first: skips this module cleanly when torch or qbl cannot be imported
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import qbl
+import reference_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL_NEW = os.path.normpath(os.path.join(HERE, "..", "..", "examples", "pytorch", "model_new.py"))
+
+
+def _check_still_works(x, l, w, b, what):
+    """After a raise: no CUDA error left behind, and a normal call still gives eager's mixed."""
+    torch.cuda.synchronize()
+    _, mixed, _ = torch.ops.qbl.forward(x, l, w, b)
+    H.assert_bits_equal(mixed, H.eager_forward(x, l, w, b).mixed, f"after '{what}': mixed")
+    torch.cuda.synchronize()
+
+
+def _snapshot(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _assert_unchanged(args, before, what):
+    for i, (a, s) in enumerate(zip(args, before)):
+        if isinstance(a, torch.Tensor) and a.numel():
+            H.assert_bits_equal(a, s, f"'{what}': argument {i} changed by the failed call")
+
+
+# name -> (args of torch.ops.qbl.forward from the good (x, logits, weight, bias), exception type,
+# message pattern)
+FORWARD_CASES = {
+    # No CUDA tensor at all: the dispatcher finds no kernel for the CPU backend and says so
+    # (NotImplementedError, a RuntimeError).
+    "all tensors on CPU": (lambda x, l, w, b: (x.cpu(), l.cpu(), w.cpu(), b.cpu()), RuntimeError,
+                           "CPU"),
+    "x on CPU": (lambda x, l, w, b: (x.cpu(), l, w, b), RuntimeError, "x must be a CUDA tensor"),
+    "logits on CPU": (lambda x, l, w, b: (x, l.cpu(), w, b), RuntimeError, "logits is on cpu"),
+    "weight on CPU": (lambda x, l, w, b: (x, l, w.cpu(), b), RuntimeError, "weight is on cpu"),
+    "bias on CPU": (lambda x, l, w, b: (x, l, w, b.cpu()), RuntimeError, "bias is on cpu"),
+    "float64": (lambda x, l, w, b: (x.double(), l.double(), w.double(), b.double()), TypeError,
+                "unsupported dtype"),
+    "logits of another dtype": (lambda x, l, w, b: (x, l.half(), w, b), TypeError,
+                                "logits has dtype"),
+    "weight of another dtype": (lambda x, l, w, b: (x, l, w.bfloat16(), b), TypeError,
+                                "weight has dtype"),
+    "bias of another dtype": (lambda x, l, w, b: (x, l, w, b.double()), TypeError,
+                              "bias has dtype"),
+    "logits flattened": (lambda x, l, w, b: (x, l.reshape(-1), w, b), RuntimeError,
+                         "logits must have shape"),
+    "logits with a trailing 1": (lambda x, l, w, b: (x, l.unsqueeze(-1), w, b), RuntimeError,
+                                 "logits must have shape"),
+    "weight in_features mismatch": (lambda x, l, w, b: (x, l, w[:, :-1].contiguous(), b),
+                                    RuntimeError, "weight must be"),
+    "weight transposed": (lambda x, l, w, b: (x, l, w.t().contiguous(), b), RuntimeError,
+                          "weight must be"),
+    "1-D weight": (lambda x, l, w, b: (x, l, w[0].contiguous(), b), RuntimeError,
+                   "weight must be"),
+    "bias shape": (lambda x, l, w, b: (x, l, w, b[:-1].contiguous()), RuntimeError,
+                   "bias must be"),
+    "2-D bias": (lambda x, l, w, b: (x, l, w, b.unsqueeze(0)), RuntimeError, "bias must be"),
+    "0-d x": (lambda x, l, w, b: (x[0, 0, 0], l[0, 0], w, b), RuntimeError,
+              "at least one dimension"),
+    "zero in_features": (lambda x, l, w, b: (x[..., :0], l, w[:, :0], b), RuntimeError,
+                         "must be positive"),
+    "zero out_features": (lambda x, l, w, b: (x, l, w[:0], b[:0]), RuntimeError,
+                          "must be positive"),
+}
+
+
+@pytest.mark.parametrize("case", list(FORWARD_CASES))
+def test_bad_forward_input_raises_and_leaves_no_trace(case):
+    """Each bad call raises its error type with a clear message, through the operator and through
+    the differentiable functional form; the inputs are unchanged; a normal call works after it."""
+    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, seed=40)
+    make, exc, pattern = FORWARD_CASES[case]
+    args = make(x, l, w, b)
+    before = _snapshot(args)
+    with pytest.raises(exc, match=pattern):
+        torch.ops.qbl.forward(*args)
+    _assert_unchanged(args, before, case)
+    grad_args = [a.detach().clone().requires_grad_() if a.is_floating_point() else a for a in args]
+    with pytest.raises(exc, match=pattern):
+        qbl.quant_blend_linear(*grad_args)
+    _check_still_works(x, l, w, b, case)
+
+
+def test_bad_backward_input_raises_and_leaves_no_trace():
+    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, seed=41)
+    _, mixed, stats = torch.ops.qbl.forward(x, l, w, b)
+    g = H.make_grad_out((4, 6, 16), torch.float32)
+    mask = [True] * 4
+    cases = {
+        "grad_out shape": ((g[..., :-1].contiguous(), x, l, w, mixed, stats, True, mask),
+                           RuntimeError, "grad_out must have shape"),
+        "grad_out dtype": ((g.double(), x, l, w, mixed, stats, True, mask), TypeError,
+                           "grad_out has dtype"),
+        "mixed shape": ((g, x, l, w, mixed.reshape(-1, 32), stats, True, mask), RuntimeError,
+                        "mixed must have x's shape"),
+        "stats float64": ((g, x, l, w, mixed, stats.double(), True, mask), RuntimeError,
+                          "stats must be"),
+        "stats of 3 elements": ((g, x, l, w, mixed, torch.zeros(3, device=x.device), True,
+                                 mask), RuntimeError, "stats must be"),
+        "stats on CPU": ((g, x, l, w, mixed, stats.cpu(), True, mask), RuntimeError,
+                         "stats must be"),
+        "weight in_features mismatch": ((g, x, l, w[:, :-1].contiguous(), mixed, stats, True,
+                                         mask), RuntimeError, "weight must be"),
+        "float64": ((g.double(), x.double(), l.double(), w.double(), mixed.double(), stats, True,
+                     mask), TypeError, "unsupported dtype"),
+    }
+    for name, (args, exc, pattern) in cases.items():
+        before = _snapshot(args)
+        with pytest.raises(exc, match=pattern):
+            torch.ops.qbl.backward(*args)
+        _assert_unchanged(args, before, name)
+        _check_still_works(x, l, w, b, name)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_devices():
+    """A tensor on another GPU than x raises; all on the second GPU (while the first is current)
+    runs there, forward and backward, as eager does."""
+    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, seed=42)
+    other = torch.device("cuda", 1)
+    for name, args in {"logits": (x, l.to(other), w, b), "weight": (x, l, w.to(other), b),
+                       "bias": (x, l, w, b.to(other))}.items():
+        with pytest.raises(RuntimeError, match="one CUDA device"):
+            torch.ops.qbl.forward(*args)
+        _check_still_works(x, l, w, b, f"{name} on cuda:1")
+    x1, l1, w1, b1 = (t.to(other) for t in (x, l, w, b))
+    g1 = H.make_grad_out((4, 6, 16), torch.float32).to(other)
+    assert torch.cuda.current_device() == 0
+    q = H.run_autograd(H.qbl_fn(), x1, l1, w1, b1, g1)
+    e = H.run_autograd(H.eager_fn(), x1, l1, w1, b1, g1)
+    assert q.out.device == other and q.weight.device == other, f"ran on {q.out.device}"
+    _, mixed, _ = torch.ops.qbl.forward(x1, l1, w1, b1)
+    H.assert_bits_equal(mixed, H.eager_forward(x1, l1, w1, b1).mixed, "mixed on cuda:1")
+    H.check_all_grads(q, e, x1, l1, w1, b1, g1, torch.float32, False, what="on cuda:1: ")
+
+
+def test_module_parameters_like_nn_linear():
+    """Same parameter names, shapes, dtype and device as nn.Linear, and the same initialization:
+    with one seed, the same values."""
+    dev = H.device()
+    torch.manual_seed(5)
+    lin = nn.Linear(40, 24, device=dev)
+    torch.manual_seed(5)
+    layer = qbl.QuantBlendLinear(40, 24, device=dev)
+    assert [n for n, _ in layer.named_parameters()] == ["weight", "bias"]
+    H.assert_bits_equal(layer.weight.detach(), lin.weight.detach(), "weight init vs nn.Linear's")
+    H.assert_bits_equal(layer.bias.detach(), lin.bias.detach(), "bias init vs nn.Linear's")
+    assert (layer.in_features, layer.out_features) == (40, 24)
+    no_bias = qbl.QuantBlendLinear(40, 24, bias=False, device=dev, dtype=torch.bfloat16)
+    assert no_bias.bias is None and list(no_bias.state_dict()) == ["weight"], no_bias.state_dict()
+    assert no_bias.weight.dtype == torch.bfloat16 and no_bias.weight.device == dev
+    r = repr(layer)
+    assert "in_features=40" in r and "out_features=24" in r and "bias=True" in r, r
+    x, l, _, _ = H.make_inputs((3, 5), 40, 24, torch.bfloat16, seed=43)
+    out = no_bias(x, l)
+    e = H.eager_forward(x, l, no_bias.weight.detach())
+    H.assert_gemm_close(out.detach(), e.out, H.ref64_out(e.mixed, no_bias.weight, None)[0],
+                        torch.bfloat16, "QuantBlendLinear(bias=False) out")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_state_dict_round_trip_with_nn_linear(bias):
+    dev = H.device()
+    torch.manual_seed(6)
+    layer = qbl.QuantBlendLinear(40, 24, bias=bias, device=dev)
+    torch.manual_seed(7)
+    lin = nn.Linear(40, 24, bias=bias, device=dev)
+    lin.load_state_dict(layer.state_dict())  # strict: same keys and shapes
+    torch.manual_seed(8)
+    back = qbl.QuantBlendLinear(40, 24, bias=bias, device=dev)
+    back.load_state_dict(lin.state_dict())
+    for name, p in layer.named_parameters():
+        H.assert_bits_equal(getattr(lin, name).detach(), p.detach(), f"nn.Linear.{name} after load")
+        H.assert_bits_equal(getattr(back, name).detach(), p.detach(), f"round-trip {name}")
+    x, l, _, _ = H.make_inputs((6,), 40, 24, torch.float32, seed=44)
+    with torch.no_grad():
+        e = H.eager_forward(x, l, lin.weight, lin.bias)
+        out = back(x, l)
+    H.assert_gemm_close(out, e.out, H.ref64_out(e.mixed, lin.weight, lin.bias)[0], torch.float32,
+                        "loaded layer's out vs eager with nn.Linear's parameters")
+
+
+@pytest.fixture(scope="module")
+def model_new():
+    """examples/pytorch/model_new.py, imported by path."""
+    spec = importlib.util.spec_from_file_location("qbl_examples_model_new", MODEL_NEW)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_model_new_state_dict_round_trip(model_new):
+    d = 64
+    dev = H.device()
+    torch.manual_seed(0)
+    ref = reference_model.Model(d).to(dev)
+    torch.manual_seed(1)
+    new = model_new.ModelNew(d).to(dev)
+    shapes = {k: tuple(v.shape) for k, v in new.state_dict().items()}
+    assert shapes == {k: tuple(v.shape) for k, v in ref.state_dict().items()}, shapes
+    new.load_state_dict(ref.state_dict())
+    torch.manual_seed(2)
+    back = reference_model.Model(d).to(dev)
+    back.load_state_dict(new.state_dict())
+    for k, v in ref.state_dict().items():
+        H.assert_bits_equal(back.state_dict()[k], v, f"Model -> ModelNew -> Model: {k}")
+    x, l = reference_model.get_inputs(2, 9, d, device=dev)
+    with torch.no_grad():
+        out, want = new(x, l), ref(x, l)
+    e = H.eager_forward(x, l, ref.out_proj.weight, ref.out_proj.bias)
+    H.assert_gemm_close(out, want, H.ref64_out(e.mixed, ref.out_proj.weight, ref.out_proj.bias)[0],
+                        torch.float32, "ModelNew vs Model")
+    w, b = H.identity_layer_params(d, torch.float32)
+    with torch.no_grad():
+        new.out_proj.weight.copy_(w)
+        new.out_proj.bias.copy_(b)
+        H.assert_bits_equal(new(x, l), e.mixed, "ModelNew (W = I, b = 0) vs eager mixed",
+                            signed_zeros=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_model_new_is_trainable(model_new, dtype):
+    """ModelNew's forward is differentiable: grads reach x, the logits and out_proj, within
+    tolerance of the reference Model's autograd."""
+    d = 64
+    dev = H.device()
+    ref = reference_model.Model(d).to(device=dev, dtype=dtype)
+    new = model_new.ModelNew(d).to(device=dev, dtype=dtype)
+    new.load_state_dict(ref.state_dict())
+    x, l = reference_model.get_inputs(3, 11, d, dtype=dtype, device=dev)
+    g = H.make_grad_out((3, 11, d), dtype, seed=45)
+    grads = {}
+    for name, model in (("new", new), ("ref", ref)):
+        xx, ll = x.clone().requires_grad_(), l.clone().requires_grad_()
+        out = model(xx, ll)
+        assert out.requires_grad, f"{name}: output does not require grad"
+        out.backward(g)
+        p = model.out_proj
+        grads[name] = H.Grads(None, xx.grad, ll.grad, p.weight.grad, p.bias.grad)
+    q = grads["new"]
+    assert None not in (q.x, q.logits, q.weight, q.bias), (
+        f"ModelNew: missing gradients (x {q.x is None}, logits {q.logits is None}, weight "
+        f"{q.weight is None}, bias {q.bias is None} are None)")
+    H.check_all_grads(q, grads["ref"], x, l, ref.out_proj.weight.detach(),
+                      ref.out_proj.bias.detach(), g, dtype, False, what="ModelNew vs Model: ")
+
+
+def _cache_rows(n_in, n_out, dtype=torch.float32, backward=False, tf32=False):
+    return [r for r in qbl.cache_info()
+            if (r["in_features"], r["out_features"], r["dtype"], r["backward"], r["tf32"])
+            == (n_in, n_out, dtype, backward, tf32)]
+
+
+def test_cache_grows_in_powers_of_two_and_clears():
+    n_in, n_out = 72, 24
+    qbl.clear_cache()
+    assert qbl.cache_info() == [], f"cache_info after clear_cache: {qbl.cache_info()}"
+    keys = {"device", "dtype", "in_features", "out_features", "tf32", "backward", "max_tokens",
+            "workspace_bytes"}
+    previous = 0
+    for tokens in (3, 100, 10, 1000, 1000):
+        x, l, w, b = H.make_inputs((tokens,), n_in, n_out, torch.float32, seed=tokens)
+        _, mixed, _ = torch.ops.qbl.forward(x, l, w, b)
+        H.assert_bits_equal(mixed, H.eager_forward(x, l, w, b).mixed, f"mixed at {tokens} tokens")
+        rows = _cache_rows(n_in, n_out)
+        assert len(rows) == 1, f"{tokens} tokens: expected one live layer for {n_in}->{n_out}: {rows}"
+        row = rows[0]
+        assert set(row) == keys, f"cache_info keys {sorted(row)}"
+        cap = row["max_tokens"]
+        assert cap >= tokens and cap & (cap - 1) == 0, (
+            f"{tokens} tokens: max_tokens {cap} is not a power of two >= {tokens}")
+        assert cap >= previous, f"{tokens} tokens: capacity shrank from {previous} to {cap}"
+        if tokens <= previous:
+            assert cap == previous, f"{tokens} tokens: capacity changed from {previous} to {cap}"
+        assert row["workspace_bytes"] > 0 and row["device"] == torch.cuda.current_device(), row
+        previous = cap
+    g = H.make_grad_out((10, n_out), torch.float32)
+    H.run_autograd(H.qbl_fn(), x[:10], l[:10], w, b, g)
+    rows = _cache_rows(n_in, n_out, backward=True)
+    assert len(rows) == 1 and rows[0]["max_tokens"] >= 10, f"training layer after backward: {rows}"
+    torch.ops.qbl.forward(x.bfloat16(), l.bfloat16(), w.bfloat16(), b.bfloat16())
+    assert len(_cache_rows(n_in, n_out, dtype=torch.bfloat16)) == 1, "no bf16 layer cached"
+    qbl.clear_cache()
+    assert qbl.cache_info() == [], f"cache_info after clear_cache: {qbl.cache_info()}"
+    _check_still_works(x, l, w, b, "clear_cache")
+
+
+_CAPTURE_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import helpers as H
+import qbl
+
+def capture(x, l, w, b):
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            out = qbl.quant_blend_linear(x, l, w, b)
+    except Exception as e:
+        return None, None, [type(e).__name__, str(e)]
+    return graph, out, None
+
+res = {}
+x, l, w, b = H.make_inputs((8,), 88, 20, torch.float32, seed=1)
+torch.cuda.synchronize()
+res["unseen"] = capture(x, l, w, b)[2]
+torch.cuda.synchronize()
+out = qbl.quant_blend_linear(x, l, w, b)
+_, mixed, _ = torch.ops.qbl.forward(x, l, w, b)
+res["after_mixed_exact"] = bool(torch.equal(mixed.view(torch.int32),
+                                            H.eager_forward(x, l, w, b).mixed.view(torch.int32)))
+xl, ll, _, _ = H.make_inputs((500,), 88, 20, torch.float32, seed=2)
+res["larger"] = capture(xl, ll, w, b)[2]
+torch.cuda.synchronize()
+graph, cap_out, res["planned"] = capture(x, l, w, b)
+if graph is not None:
+    graph.replay()
+    torch.cuda.synchronize()
+    res["replay_equal"] = bool(torch.equal(cap_out.view(torch.int32), out.view(torch.int32)))
+print("RESULT " + json.dumps(res))
+"""
+
+
+def test_planning_during_graph_capture_raises():
+    """In a fresh process: a first call of a size during CUDA graph capture, or one with more
+    tokens than the cached layer holds, raises RuntimeError saying why; the capture ends, the
+    process keeps working, and a capture of the planned size then runs and replays correctly."""
+    proc = subprocess.run([sys.executable, "-c", _CAPTURE_SCRIPT, HERE], capture_output=True,
+                          text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"the capture script failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+        f"{proc.stderr[-3000:]}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    for key in ("unseen", "larger"):
+        err = res[key]
+        assert err is not None, f"{key} size: capture did not raise"
+        assert err[0] == "RuntimeError" and "graph capture" in err[1], (
+            f"{key} size: expected RuntimeError about graph capture, got {err}")
+    assert res["after_mixed_exact"], "after the failed capture, mixed differs from eager's"
+    assert res["planned"] is None, f"capturing a planned size raised {res['planned']}"
+    assert res["replay_equal"], "the replayed graph's out differs from the direct call's"
+
+
+SLEEP_CYCLES = 50_000_000  # some tens of milliseconds of device time
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fresh", [False, True], ids=["cached", "planned_on_side_stream"])
+def test_current_stream_is_respected(dtype, fresh):
+    """Forward and backward on a side stream that is busy (a sleep kernel) when its inputs are
+    produced: had qbl enqueued on another stream, it would read the inputs before they exist.
+    Results equal (bitwise) the default stream's and eager's mixed."""
+    n_in, n_out = (56, 28) if fresh else (96, 40)
+    x, l, w, b = H.make_inputs((16, 24), n_in, n_out, dtype, seed=46)
+    g = H.make_grad_out((16, 24, n_out), dtype, seed=47)
+    if fresh:
+        qbl.clear_cache()  # the side stream's calls plan the layers
+    else:
+        ref = H.run_autograd(H.qbl_fn(), x, l, w, b, g)  # the default stream plans them
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        xs, ls, ws, bs = (t.clone().requires_grad_() for t in (x, l, w, b))
+        out, mixed, stats = torch.ops.qbl.forward(xs, ls, ws, bs)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        grads = torch.autograd.grad(out, (xs, ls, ws, bs), g)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    if fresh:
+        ref = H.run_autograd(H.qbl_fn(), x, l, w, b, g)
+    e = H.eager_forward(x, l, w, b)
+    H.assert_bits_equal(mixed, e.mixed, "side stream: mixed vs eager's")
+    H.assert_bits_equal(stats, H.eager_stats(e), "side stream: stats vs eager's")
+    H.assert_bits_equal(out.detach(), ref.out, "side stream vs default stream: out")
+    for name, got, want in zip(("x", "logits", "weight", "bias"), grads,
+                               (ref.x, ref.logits, ref.weight, ref.bias)):
+        H.assert_bits_equal(got, want, f"side stream vs default stream: grad_{name}")
+    H.check_all_grads(H.Grads(None, *grads), H.run_autograd(H.eager_fn(), x, l, w, b, g),
+                      x, l, w, b, g, dtype, False, what="side stream: ")

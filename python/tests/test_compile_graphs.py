@@ -1,0 +1,344 @@
+"""qbl under PyTorch's machinery: torch.library.opcheck of both operators, torch.compile with
+fullgraph=True (aot_eager and inductor, static and dynamic shapes), CUDA graphs of a forward and
+of a whole training step, and gradient accumulation (micro-batches, a layer used twice).
+
+qbl's default plans are deterministic (the same call on the same operands gives the same bits), and
+the ops around the layer here are exact (a power-of-two scale, ReLU), so compiled, captured and
+accumulated results are compared with plain eager runs bit for bit."""
+
+from __future__ import annotations
+
+import helpers as H  # first: skips this module cleanly when torch or qbl cannot be imported
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import qbl
+
+REQUIRED_OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
+                          "test_aot_dispatch_dynamic")
+OPCHECK_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def _assert_opcheck(result, what):
+    missing = [u for u in REQUIRED_OPCHECK_UTILS if u not in result]
+    assert not missing, f"{what}: opcheck did not run {missing} (ran {sorted(result)})"
+    failed = {k: v for k, v in result.items() if v != "SUCCESS"}
+    assert not failed, f"{what}: opcheck failures:\n" + "\n".join(
+        f"  {k}: {type(v).__name__}: {v}" for k, v in failed.items())
+
+
+@pytest.mark.parametrize("dtype", OPCHECK_DTYPES)
+@pytest.mark.parametrize("bias,ste", [(True, False), (False, False), (True, True)],
+                         ids=["bias", "nobias", "bias_ste"])
+def test_opcheck_forward(dtype, bias, ste):
+    """Inputs require grad, so the autograd registration is checked and test_aot_dispatch_dynamic
+    compares compiled gradients (through torch.ops.qbl.backward) with eager ones."""
+    x, l, w, b = H.make_inputs((3, 5), 32, 24, dtype, bias=bias, seed=50)
+    args = tuple(None if t is None else t.requires_grad_() for t in (x, l, w, b))
+    result = torch.library.opcheck(torch.ops.qbl.forward.default, args,
+                                   {"straight_through": ste, "allow_tf32": False},
+                                   raise_exception=False)
+    _assert_opcheck(result, f"qbl.forward ({dtype}, bias={bias}, straight_through={ste})")
+
+
+@pytest.mark.parametrize("dtype", OPCHECK_DTYPES)
+@pytest.mark.parametrize("mask,has_bias", [
+    ([True, True, True, True], True), ([False, True, False, False], True),
+    ([False, False, True, True], True), ([True, False, True, True], False)],
+    ids=["all", "logits", "weight_bias", "x_weight_nobias"])
+def test_opcheck_backward(dtype, mask, has_bias):
+    x, l, w, b = H.make_inputs((3, 5), 32, 24, dtype, bias=has_bias, seed=51)
+    _, mixed, stats = torch.ops.qbl.forward(x, l, w, b)
+    g = H.make_grad_out((3, 5, 24), dtype, seed=52)
+    result = torch.library.opcheck(torch.ops.qbl.backward.default,
+                                   (g, x, l, w, mixed, stats, has_bias, mask),
+                                   {"straight_through": False, "allow_tf32": False},
+                                   raise_exception=False)
+    _assert_opcheck(result, f"qbl.backward ({dtype}, mask={mask}, has_bias={has_bias})")
+
+
+class _Small(nn.Module):
+    """The layer between exact ops (x * 2 and ReLU), so compiled code must match eager's bits."""
+
+    def __init__(self, dtype, n_in=48, n_out=32):
+        super().__init__()
+        self.layer = qbl.QuantBlendLinear(n_in, n_out, device=H.device(), dtype=dtype)
+
+    def forward(self, x, logits):
+        return torch.relu(self.layer(x * 2.0, logits))
+
+
+def _train_once(model, layer, x, l, g):
+    """out, grad_x, grad_logits, grad_weight, grad_bias of one forward + backward(g)."""
+    layer.zero_grad(set_to_none=True)
+    xx, ll = x.clone().requires_grad_(), l.clone().requires_grad_()
+    out = model(xx, ll)
+    out.backward(g)
+    return (out.detach(), xx.grad, ll.grad, layer.weight.grad.clone(), layer.bias.grad.clone())
+
+
+def _assert_same_results(got, want, what):
+    for name, a, b in zip(("out", "grad_x", "grad_logits", "grad_weight", "grad_bias"), got, want):
+        H.assert_bits_equal(a, b, f"{what}: {name}")
+
+
+def _calls(gm, name):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target)]
+
+
+def _inputs(lead, dtype, seed, n_in=48, n_out=32):
+    x, l, _, _ = H.make_inputs(lead, n_in, n_out, dtype, seed=seed)
+    return x, l, H.make_grad_out((*lead, n_out), dtype, seed=seed + 1)
+
+
+@pytest.mark.parametrize("dtype", OPCHECK_DTYPES)
+def test_compile_fullgraph_aot_eager_calls_qbl_ops(dtype):
+    """One graph without a break (fullgraph=True); Dynamo's and AOT's forward graphs call
+    qbl.forward and AOT's backward graph qbl.backward; out and every grad bit-equal to the
+    uncompiled module's; a second call with new inputs reuses the graph."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    graphs = {"dynamo": [], "forward": [], "backward": []}
+
+    def recorder(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind].append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    aot = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+
+    def backend(gm, example_inputs):
+        graphs["dynamo"].append(gm)
+        return aot(gm, example_inputs)
+
+    model = _Small(dtype)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for seed in (53, 55):
+        x, l, g = _inputs((4, 9), dtype, seed)
+        want = _train_once(model, model.layer, x, l, g)
+        got = _train_once(compiled, model.layer, x, l, g)
+        _assert_same_results(got, want, f"aot_eager-compiled vs eager (seed {seed})")
+    e = H.eager_forward(x * 2.0, l, model.layer.weight.detach(), model.layer.bias.detach())
+    H.assert_gemm_close(want[0], torch.relu(e.out), torch.relu(H.ref64_out(
+        e.mixed, model.layer.weight, model.layer.bias)[0]), dtype, "eager module's out")
+    assert len(graphs["dynamo"]) == 1, f"{len(graphs['dynamo'])} Dynamo graphs, expected 1"
+    assert _calls(graphs["dynamo"][0], "qbl.forward"), (
+        f"Dynamo's graph does not call qbl.forward:\n{graphs['dynamo'][0].graph}")
+    assert graphs["forward"] and _calls(graphs["forward"][0], "qbl.forward"), (
+        f"AOT forward graph(s) without qbl.forward: {[str(g.graph) for g in graphs['forward']]}")
+    assert graphs["backward"] and _calls(graphs["backward"][0], "qbl.backward"), (
+        f"AOT backward graph(s) without qbl.backward: {[str(g.graph) for g in graphs['backward']]}")
+    torch._dynamo.reset()
+
+
+def test_compile_fullgraph_inductor():
+    """torch.compile's default backend: torch._dynamo.explain finds one graph and no break, one
+    frame compiles with fullgraph=True, its graph calls qbl.forward, and out and every grad are
+    bit-equal to the uncompiled module's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    dtype = torch.float32
+    model = _Small(dtype)
+    x, l, g = _inputs((4, 9), dtype, 56)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x, l)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, (
+        f"torch._dynamo.explain: {explained.graph_count} graphs, {explained.graph_break_count} "
+        f"breaks: {explained.break_reasons}")
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    got = _train_once(compiled, model.layer, x, l, g)
+    want = _train_once(model, model.layer, x, l, g)
+    _assert_same_results(got, want, "inductor-compiled vs eager")
+    assert counter.frame_count == 1, f"{counter.frame_count} frames compiled, expected 1"
+    assert _calls(counter.graphs[0], "qbl.forward"), f"graph:\n{counter.graphs[0].graph}"
+    torch._dynamo.reset()
+
+
+def test_compile_dynamic_token_counts():
+    """dynamic=True: one compiled frame serves three token counts, each bit-equal to eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    dtype = torch.float32
+    model = _Small(dtype)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for i, lead in enumerate([(3, 7), (5, 11), (2, 40)]):
+        x, l, g = _inputs(lead, dtype, 60 + 2 * i)
+        _assert_same_results(_train_once(compiled, model.layer, x, l, g),
+                             _train_once(model, model.layer, x, l, g), f"dynamic, x {lead}")
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames for 3 token counts"
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
+def test_cuda_graph_forward_replay_matches_eager(dtype):
+    """The operator captured once (after a warm-up that plans the layer), replayed with new data in
+    its static inputs: mixed and stats bit-equal to eager's for the new data each time."""
+    x, l, w, b = H.make_inputs((8, 16), 64, 48, dtype, seed=70)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            torch.ops.qbl.forward(x, l, w, b)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, mixed, stats = torch.ops.qbl.forward(x, l, w, b)
+    for seed in (71, 72, 73):
+        nx, nl, _, _ = H.make_inputs((8, 16), 64, 48, dtype, seed=seed)
+        x.copy_(nx)
+        l.copy_(nl)
+        graph.replay()
+        e = H.eager_forward(nx, nl, w, b)
+        H.assert_bits_equal(mixed, e.mixed, f"replay (seed {seed}): mixed vs eager's")
+        H.assert_bits_equal(stats, H.eager_stats(e), f"replay (seed {seed}): stats vs eager's")
+        H.assert_gemm_close(out, e.out, H.ref64_out(e.mixed, w, b)[0], dtype,
+                            f"replay (seed {seed}): out")
+
+
+class _TwoLayer(nn.Module):
+    """Two qbl layers sharing learnable gate logits (grad_logits reaches `gate`)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        dev = H.device()
+        self.gate = nn.Parameter(torch.ones((), device=dev, dtype=dtype))
+        self.l1 = qbl.QuantBlendLinear(64, 96, device=dev, dtype=dtype)
+        self.l2 = qbl.QuantBlendLinear(96, 32, device=dev, dtype=dtype)
+
+    def forward(self, x, logits):
+        gl = logits * self.gate
+        return self.l2(torch.relu(self.l1(x, gl)), gl)
+
+
+def _step(model, opt, x, l):
+    opt.zero_grad(set_to_none=True)
+    loss = model(x, l).float().square().mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("optim,dtype", [("sgd", torch.float32), ("adam", torch.float32),
+                                         ("sgd", torch.bfloat16)],
+                         ids=["sgd_fp32", "adam_fp32", "sgd_bf16"])
+def test_cuda_graph_training_step(optim, dtype):
+    """A whole training step (forward, loss.backward(), optimizer.step()) captured with
+    torch.cuda.graph after three warm-up steps on a side stream, replayed with new inputs copied
+    into the static ones: losses and parameters after N replays bit-equal to those of an identical
+    copy trained eagerly on the same inputs (every kernel involved is deterministic)."""
+    torch.manual_seed(80)
+    model = _TwoLayer(dtype)
+    ref = copy.deepcopy(model)
+
+    def make_opt(m):
+        if optim == "sgd":
+            return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        return torch.optim.Adam(m.parameters(), lr=1e-3, capturable=True)
+
+    opt, ref_opt = make_opt(model), make_opt(ref)
+    batches = [H.make_inputs((4, 24), 64, 96, dtype, seed=81 + i)[:2] for i in range(3 + 5)]
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    static_x, static_l = (t.clone() for t in batches[0])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for bx, bl in batches[:3]:
+            static_x.copy_(bx)
+            static_l.copy_(bl)
+            _step(model, opt, static_x, static_l)
+    torch.cuda.current_stream().wait_stream(side)
+    for bx, bl in batches[:3]:
+        _step(ref, ref_opt, bx, bl)
+
+    opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = model(static_x, static_l).float().square().mean()
+        static_loss.backward()
+        opt.step()
+
+    for i, (bx, bl) in enumerate(batches[3:]):
+        static_x.copy_(bx)
+        static_l.copy_(bl)
+        graph.replay()
+        ref_loss = _step(ref, ref_opt, bx, bl)
+        H.assert_bits_equal(static_loss, ref_loss, f"replay {i}: loss vs the eager copy's")
+    torch.cuda.synchronize()
+    for name, p in model.named_parameters():
+        H.assert_bits_equal(p.detach(), dict(ref.named_parameters())[name].detach(),
+                            f"{name} after 3 warm-up steps and 5 replays vs 8 eager steps")
+        assert not torch.equal(p.detach(), initial[name]), f"{name} never changed"
+
+
+@pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
+def test_gradient_accumulation_over_micro_batches(dtype):
+    """Two micro-batches: one backward of the summed loss, and backward() per micro-batch
+    accumulating into .grad, both give grad_weight / grad_bias bit-equal to g1 + g2 of the two
+    backward passes run apart (one addition, in either order the same bits); and the accumulated
+    grads are within tolerance of eager autograd of the reference on the same micro-batches."""
+    torch.manual_seed(90)
+    layer = qbl.QuantBlendLinear(96, 40, device=H.device(), dtype=dtype)
+    mbs = []  # (x, logits, grad_out) of micro-batches of 24 and 40 tokens
+    for n in (24, 40):
+        x, l, _, _ = H.make_inputs((n,), 96, 40, dtype, seed=91 + n)
+        mbs.append((x, l, H.make_grad_out((n, 40), dtype, seed=92 + n)))
+    w, b = layer.weight.detach(), layer.bias.detach()
+    apart = [H.run_autograd(H.qbl_fn(), x, l, w, b, g) for x, l, g in mbs]
+    want_w, want_b = apart[0].weight + apart[1].weight, apart[0].bias + apart[1].bias
+
+    layer.zero_grad(set_to_none=True)
+    losses = [(layer(x, l) * g).sum() for x, l, g in mbs]  # d loss / d out = g exactly
+    (losses[0] + losses[1]).backward()
+    H.assert_bits_equal(layer.weight.grad, want_w, "grad_weight, one backward of the summed loss")
+    H.assert_bits_equal(layer.bias.grad, want_b, "grad_bias, one backward of the summed loss")
+
+    layer.zero_grad(set_to_none=True)
+    for x, l, g in mbs:
+        (layer(x, l) * g).sum().backward()
+    H.assert_bits_equal(layer.weight.grad, want_w, "grad_weight accumulated in .grad")
+    H.assert_bits_equal(layer.bias.grad, want_b, "grad_bias accumulated in .grad")
+
+    eager = [H.run_autograd(H.eager_fn(), x, l, w, b, g) for x, l, g in mbs]
+    ref_w = sum(H.ref64_grads(x, l, w, H.eager_forward(x, l, w, b), g).weight for x, l, g in mbs)
+    H.assert_gemm_close(layer.weight.grad, eager[0].weight + eager[1].weight, ref_w, dtype,
+                        "accumulated grad_weight")
+    ref_b = sum(g.double().sum(0) for _, _, g in mbs)
+    abs_b = sum(g.double().abs().sum(0) for _, _, g in mbs)
+    H.assert_sum_close(layer.bias.grad, ref_b, abs_b, 64, dtype, "accumulated grad_bias", factor=2)
+
+
+@pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
+def test_same_layer_used_twice(dtype):
+    """y = layer(x1, l1) + layer(x2, l2): the weight's two gradient contributions are summed by
+    autograd, bit-equal to the sum of the two computed apart, and within tolerance of eager."""
+    torch.manual_seed(95)
+    layer = qbl.QuantBlendLinear(64, 64, device=H.device(), dtype=dtype)
+    (x1, l1, _, _), (x2, l2, _, _) = (H.make_inputs((5, 7), 64, 64, dtype, seed=s) for s in (96, 97))
+    g = H.make_grad_out((5, 7, 64), dtype, seed=98)
+    w, b = layer.weight.detach(), layer.bias.detach()
+    xs = [x1.clone().requires_grad_(), x2.clone().requires_grad_()]
+    (layer(xs[0], l1) + layer(xs[1], l2)).backward(g)
+    apart = [H.run_autograd(H.qbl_fn(), x, l, w, b, g) for x, l in ((x1, l1), (x2, l2))]
+    H.assert_bits_equal(layer.weight.grad, apart[0].weight + apart[1].weight,
+                        "grad_weight of a layer used twice vs the sum of its two uses")
+    H.assert_bits_equal(layer.bias.grad, apart[0].bias + apart[1].bias,
+                        "grad_bias of a layer used twice vs the sum of its two uses")
+    for i in range(2):
+        H.assert_bits_equal(xs[i].grad, apart[i].x, f"grad of x{i + 1} vs its use alone")
+    eager = [H.run_autograd(H.eager_fn(), x, l, w, b, g) for x, l in ((x1, l1), (x2, l2))]
+    ref_w = sum(H.ref64_grads(x, l, w, H.eager_forward(x, l, w, b), g).weight
+                for x, l in ((x1, l1), (x2, l2)))
+    H.assert_gemm_close(layer.weight.grad, eager[0].weight + eager[1].weight, ref_w, dtype,
+                        "grad_weight of a layer used twice")
