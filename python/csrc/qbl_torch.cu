@@ -61,7 +61,8 @@ std::string shape_str(c10::IntArrayRef sizes) {
   return s + "]";
 }
 
-// ---- the layers ----------------------------------------------------------------------------------
+// ---- the layers
+// ----------------------------------------------------------------------------------
 
 // qbl's device memory through torch's caching allocator (on the current device and stream).
 void* torch_allocate(std::size_t bytes, void*) {
@@ -137,8 +138,8 @@ class TypedLayer final : public Layer {
 
   void backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& logits,
                 const at::Tensor& weight, const at::Tensor& mixed, const at::Tensor& stats,
-                std::int64_t tokens, at::Tensor* gx, at::Tensor* gl, at::Tensor* gw,
-                at::Tensor* gb, bool straight_through, cudaStream_t stream) override {
+                std::int64_t tokens, at::Tensor* gx, at::Tensor* gl, at::Tensor* gw, at::Tensor* gb,
+                bool straight_through, cudaStream_t stream) override {
     typename qbl::QuantBlendLinear<T>::Gradients g;
     g.x = gx ? ptr(*gx) : nullptr;
     g.logits = gl ? ptr(*gl) : nullptr;
@@ -187,8 +188,7 @@ class Registry {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = live_.find(key);
     if (it != live_.end() && it->second->max_tokens() >= tokens) return *it->second;
-    TORCH_CHECK(!capturing(stream),
-                "qbl: planning a layer for ", std::to_string(tokens),
+    TORCH_CHECK(!capturing(stream), "qbl: planning a layer for ", std::to_string(tokens),
                 " tokens during CUDA graph capture is not possible (planning allocates and "
                 "synchronizes); run the same call once before capturing");
     qbl::Options o;
@@ -247,7 +247,8 @@ class Registry {
   std::vector<std::unique_ptr<Layer>> retired_;
 };
 
-// ---- validation ----------------------------------------------------------------------------------
+// ---- validation
+// ----------------------------------------------------------------------------------
 
 void check_tensor(const char* op, const at::Tensor& t, const char* name, const at::Tensor& x) {
   TORCH_CHECK(t.layout() == c10::kStrided, op, ": ", name, " must be a dense tensor");
@@ -291,7 +292,8 @@ Problem check_problem(const char* op, const at::Tensor& x, const at::Tensor& log
   return p;
 }
 
-// ---- the operators -------------------------------------------------------------------------------
+// ---- the operators
+// -------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& x_in,
                                                        const at::Tensor& logits_in,
@@ -320,8 +322,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& x_in,
   const at::Tensor x = x_in.contiguous(), logits = logits_in.contiguous(),
                    weight = weight_in.contiguous();
   at::Tensor bias = has_bias ? bias_in->contiguous() : at::Tensor();
-  const Key key{x.get_device(), static_cast<int>(x.scalar_type()), p.in, p.out,
-                allow_tf32 && x.scalar_type() == at::kFloat, false};
+  const Key key{x.get_device(), static_cast<int>(x.scalar_type()),           p.in,
+                p.out,          allow_tf32 && x.scalar_type() == at::kFloat, false};
   Layer& layer = Registry::get().layer(key, p.tokens, stream);
   std::lock_guard<std::mutex> lock(layer.mutex);
   translate([&] {
@@ -333,17 +335,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& x_in,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& grad_out_in, const at::Tensor& x_in, const at::Tensor& logits_in,
-    const at::Tensor& weight_in, const at::Tensor& mixed_in, const at::Tensor& stats,
-    bool has_bias, std::array<bool, 4> mask, bool straight_through, bool allow_tf32) {
+    const at::Tensor& weight_in, const at::Tensor& mixed_in, const at::Tensor& stats, bool has_bias,
+    std::array<bool, 4> mask, bool straight_through, bool allow_tf32) {
   constexpr const char* op = "qbl.backward";
   const Problem p = check_problem(op, x_in, logits_in, weight_in);
   check_tensor(op, grad_out_in, "grad_out", x_in);
   check_tensor(op, mixed_in, "mixed", x_in);
   std::vector<std::int64_t> out_sizes = p.lead;
   out_sizes.push_back(p.out);
-  TORCH_CHECK(grad_out_in.sizes() == c10::IntArrayRef(out_sizes), op,
-              ": grad_out must have shape ", shape_str(out_sizes), ", got ",
-              shape_str(grad_out_in.sizes()));
+  TORCH_CHECK(grad_out_in.sizes() == c10::IntArrayRef(out_sizes), op, ": grad_out must have shape ",
+              shape_str(out_sizes), ", got ", shape_str(grad_out_in.sizes()));
   TORCH_CHECK(mixed_in.sizes() == x_in.sizes(), op, ": mixed must have x's shape ",
               shape_str(x_in.sizes()), ", got ", shape_str(mixed_in.sizes()));
   TORCH_CHECK(stats.device() == x_in.device() && stats.scalar_type() == at::kFloat &&
@@ -367,8 +368,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   const at::Tensor grad_out = grad_out_in.contiguous(), x = x_in.contiguous(),
                    logits = logits_in.contiguous(), weight = weight_in.contiguous(),
                    mixed = mixed_in.contiguous();
-  const Key key{x.get_device(), static_cast<int>(x.scalar_type()), p.in, p.out,
-                allow_tf32 && x.scalar_type() == at::kFloat, true};
+  const Key key{x.get_device(), static_cast<int>(x.scalar_type()),           p.in,
+                p.out,          allow_tf32 && x.scalar_type() == at::kFloat, true};
   Layer& layer = Registry::get().layer(key, p.tokens, stream);
   std::lock_guard<std::mutex> lock(layer.mutex);
   translate([&] {
