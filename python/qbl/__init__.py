@@ -18,6 +18,8 @@ implementations and autograd registered here), so torch.compile(fullgraph=True) 
 them and CUDA graphs capture them.
 """
 
+import torch  # noqa: F401  (first: loads the libraries qbl._C links against)
+
 from . import _C  # noqa: F401  (registers torch.ops.qbl.*)
 from ._ops import cache_info, clear_cache, quant_blend_linear
 from .nn import QuantBlendLinear

@@ -50,7 +50,8 @@ UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.flo
 #: output rounding alone gives errors of that order.
 GEMM_FLOOR = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
-_BITS = {torch.float32: (torch.int32, 0xFFFFFFFF, 8), torch.bfloat16: (torch.int16, 0xFFFF, 4),
+_BITS = {torch.float64: (torch.int64, 0xFFFFFFFFFFFFFFFF, 16),
+         torch.float32: (torch.int32, 0xFFFFFFFF, 8), torch.bfloat16: (torch.int16, 0xFFFF, 4),
          torch.float16: (torch.int16, 0xFFFF, 4)}
 
 

@@ -44,10 +44,9 @@ def _assert_unchanged(args, before, what):
 # name -> (args of torch.ops.qbl.forward from the good (x, logits, weight, bias), exception type,
 # message pattern)
 FORWARD_CASES = {
-    # No CUDA tensor at all: the dispatcher finds no kernel for the CPU backend and says so
-    # (NotImplementedError, a RuntimeError).
+    # No CUDA tensor at all: the CPU registration reaches the same checks.
     "all tensors on CPU": (lambda x, l, w, b: (x.cpu(), l.cpu(), w.cpu(), b.cpu()), RuntimeError,
-                           "CPU"),
+                           "x must be a CUDA tensor"),
     "x on CPU": (lambda x, l, w, b: (x.cpu(), l, w, b), RuntimeError, "x must be a CUDA tensor"),
     "logits on CPU": (lambda x, l, w, b: (x, l.cpu(), w, b), RuntimeError, "logits is on cpu"),
     "weight on CPU": (lambda x, l, w, b: (x, l, w.cpu(), b), RuntimeError, "weight is on cpu"),

@@ -279,6 +279,12 @@ def test_cuda_graph_training_step(optim, dtype):
     for name, p in model.named_parameters():
         H.assert_bits_equal(p.detach(), dict(ref.named_parameters())[name].detach(),
                             f"{name} after 3 warm-up steps and 5 replays vs 8 eager steps")
+        if name == "gate" and dtype != torch.float32:
+            # bf16's spacing at 1.0 (2^-7) can swallow the gate's small steps; that the gradient
+            # reached it (nonzero, finite) is what the graph has to show.
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.item() != 0, \
+                f"{name}: no gradient reached it ({p.grad})"
+            continue
         assert not torch.equal(p.detach(), initial[name]), f"{name} never changed"
 
 
@@ -314,9 +320,18 @@ def test_gradient_accumulation_over_micro_batches(dtype):
     ref_w = sum(H.ref64_grads(x, l, w, H.eager_forward(x, l, w, b), g).weight for x, l, g in mbs)
     H.assert_gemm_close(layer.weight.grad, eager[0].weight + eager[1].weight, ref_w, dtype,
                         "accumulated grad_weight")
-    ref_b = sum(g.double().sum(0) for _, _, g in mbs)
-    abs_b = sum(g.double().abs().sum(0) for _, _, g in mbs)
-    H.assert_sum_close(layer.bias.grad, ref_b, abs_b, 64, dtype, "accumulated grad_bias", factor=2)
+    # grad_bias accumulates two column sums, each rounded to the dtype before they are added (as
+    # eager's .grad accumulation does too): each part is within its own sum bound of its exact
+    # value, plus the final rounding of their sum.
+    parts = [g.double().sum(0) for _, _, g in mbs]
+    ref_b = parts[0] + parts[1]
+    u = H.UNIT_ROUNDOFF[dtype]
+    bound = 2 * (sum(((g.shape[0] - 1) * 2.0 ** -24 + 2.0 ** -20) * g.double().abs().sum(0)
+                     + 2 * u * p.abs() for (_, _, g), p in zip(mbs, parts))
+                 + 2 * u * ref_b.abs() + torch.finfo(dtype).tiny)
+    err = (layer.bias.grad.double() - ref_b).abs()
+    assert (err <= bound).all(), (f"accumulated grad_bias: {int((err > bound).sum())} elements "
+                                  f"outside the bound; worst excess {float((err - bound).max()):.3e}")
 
 
 @pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
