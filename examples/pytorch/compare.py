@@ -442,6 +442,10 @@ def main():
                 traceback.print_exc()
                 failures.append(f"{shape_str(shape)} {dtype_name}: {type(e).__name__}: {e}")
             per_shape.append((shape, res))
+            # What is done so far goes to the files after every shape: a run stopped by a time
+            # limit keeps it (the final write below replaces it).
+            write_files(args, "\n".join([header(args, precision)] + tables
+                                        + [dtype_table(dtype_name, per_shape)]), rows)
             torch._dynamo.reset()
             qbl.clear_cache()
             gc.collect()
