@@ -16,7 +16,8 @@
 # test_quant_blend_math (2^32 operand pairs each, no shared memory, one atomic per block: they
 # test arithmetic, and take minutes instrumented; its fp32 sweep stays in). QBL_SANITIZER_EXCLUDE adds gtest filter
 # patterns (':'-separated); QBL_SANITIZER_ONLY (space-separated binary names) runs only those
-# binaries.
+# binaries; QBL_SANITIZER_SHARDS=N runs each binary as N gtest shards in parallel (the tools spend
+# most of their time on the host, so one GPU serves several at once).
 #
 # Time limits: QBL_SANITIZER_BINARY_S (seconds, default none) bounds each tool-binary run, and a
 # run that reaches it counts as failed; QBL_SANITIZER_DEADLINE (seconds since the epoch) stops
@@ -32,15 +33,18 @@ set -euo pipefail
 # nothing when some test ran and was not skipped.
 empty_run_reason() {
   local log=$1 ran skipped
-  ran=$(grep -Eo '^\[==========\] [0-9]+ tests? from [0-9]+ test suites? ran' "$log" | tail -n 1 |
-        grep -Eo '[0-9]+' | head -n 1 || true)
+  # A sharded run's log holds one gtest summary per shard: their counts add up.
+  ran=$(grep -Eo '^\[==========\] [0-9]+ tests? from [0-9]+ test suites? ran' "$log" |
+        awk '{ n += $2; seen = 1 } END { if (seen) print n }')
   if [ -z "$ran" ]; then echo "no gtest summary in the log (did the binary start?)"; return; fi
   if [ "$ran" -eq 0 ]; then echo "no test ran (the filter left none)"; return; fi
-  skipped=$(grep -Eo '^\[  SKIPPED \] [0-9]+ tests?, listed below' "$log" | tail -n 1 |
-            grep -Eo '[0-9]+' | head -n 1 || true)
-  skipped=${skipped:-0}
+  skipped=$(grep -Eo '^\[  SKIPPED \] [0-9]+ tests?, listed below' "$log" |
+            awk '{ n += $4 } END { print n + 0 }')
   if [ "$skipped" -ge "$ran" ]; then echo "every test skipped ($skipped of $ran)"; fi
 }
+
+# Sum of the counts that `pattern` (its last field a number, after "] ") finds in a log.
+count() { grep -Eo "$2" "$1" | grep -Eo '[0-9]+' | awk '{ n += $1 } END { print n + 0 }'; }
 
 if [ "${1:-}" = --check-log ]; then
   [ -r "${2:-}" ] || { echo "usage: $0 --check-log LOG" >&2; exit 2; }
@@ -77,6 +81,7 @@ export QBL_GRAPH_REPLAYS=${QBL_GRAPH_REPLAYS:-200} QBL_CONCURRENCY_REPS=${QBL_CO
 exclude="*Huge*:*n16777219*:*OutOfMemory*:QuantBlendMath16/*.Every*${QBL_SANITIZER_EXCLUDE:+:$QBL_SANITIZER_EXCLUDE}"
 limit=()
 [ -n "${QBL_SANITIZER_BINARY_S:-}" ] && limit=(timeout "$QBL_SANITIZER_BINARY_S")
+shards=${QBL_SANITIZER_SHARDS:-1}
 status=0
 runs=0
 for tool in "${tools[@]}"; do
@@ -92,8 +97,26 @@ for tool in "${tools[@]}"; do
       continue
     fi
     rc=0
-    "${limit[@]}" "$sanitizer" --tool "$tool" --error-exitcode 97 --print-limit 20 "$t" \
-      --gtest_filter="$filter" --gtest_color=no >"$log" 2>&1 || rc=$?
+    if [ "$shards" -le 1 ]; then
+      "${limit[@]}" "$sanitizer" --tool "$tool" --error-exitcode 97 --print-limit 20 "$t" \
+        --gtest_filter="$filter" --gtest_color=no >"$log" 2>&1 || rc=$?
+    else
+      # gtest's own sharding: each process runs every shards-th test; the first failing
+      # shard's status is the run's, and the logs are joined in shard order.
+      pids=()
+      for ((i = 0; i < shards; ++i)); do
+        GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i "${limit[@]}" "$sanitizer" --tool "$tool" \
+          --error-exitcode 97 --print-limit 20 "$t" --gtest_filter="$filter" --gtest_color=no \
+          >"$log.shard$i" 2>&1 &
+        pids+=($!)
+      done
+      for ((i = 0; i < shards; ++i)); do
+        r=0
+        wait "${pids[$i]}" || r=$?
+        [ "$rc" -ne 0 ] || rc=$r
+      done
+      for ((i = 0; i < shards; ++i)); do cat "$log.shard$i"; rm -f "$log.shard$i"; done >"$log"
+    fi
     runs=$((runs + 1))
     case $rc in
       0) result=ok ;;
@@ -105,11 +128,11 @@ for tool in "${tools[@]}"; do
       if [ "$rc" -eq 0 ]; then result="FAILED ($why)"; else result="$result ($why)"; fi
       status=1
     fi
-    echo "$tool $name: $result, $(grep -Eo 'ERROR SUMMARY: [0-9]+ errors?' "$log" | tail -n 1)," \
-         "$(grep -Eo '\[  PASSED  \] [0-9]+ tests?' "$log" | tail -n 1)," \
-         "$(grep -Eo '\[  SKIPPED \] [0-9]+ tests?' "$log" | tail -n 1)," \
-         "$(grep -Eo '\[  FAILED  \] [0-9]+ tests?' "$log" | tail -n 1)" \
-         "($(( $(date +%s) - start )) s)"
+    echo "$tool $name: $result, $(count "$log" 'ERROR SUMMARY: [0-9]+') errors," \
+         "$(count "$log" '\[  PASSED  \] [0-9]+') passed," \
+         "$(count "$log" '\[  SKIPPED \] [0-9]+ tests?,') skipped," \
+         "$(count "$log" '\[  FAILED  \] [0-9]+ tests?,') failed" \
+         "($(( $(date +%s) - start )) s$([ "$shards" -gt 1 ] && echo ", $shards shards"))"
   done
 done
 if [ "$runs" -eq 0 ]; then
