@@ -105,6 +105,32 @@ class QuantBlendLinear {
   /// Floats in a `stats` buffer: [amax, scale].
   static constexpr std::int64_t stats_floats = 2;
 
+  /// Sharded inputs (tensor or sequence parallelism), the forward in two steps around a reduction
+  /// of amax across the shards that the caller runs between them (NCCL, torch.distributed):
+  ///
+  ///   layer.forward_local_amax(d_x, tokens, d_stats, stream);        // this shard's max |x|
+  ///   ncclAllReduce(d_stats, d_stats, 1, ncclUint32, ncclMax, comm, stream);   // amax's bits
+  ///   layer.forward_from_amax(d_x, d_logits, d_w, d_b, d_out, tokens, d_mixed, d_stats, stream);
+  ///
+  /// The two steps together equal forward() into caller buffers bit for bit. stats[0] holds max |x|
+  /// as a float whose sign bit is clear; for such floats the bit patterns, read as unsigned
+  /// integers, order like the values, with every NaN above +Inf. An unsigned integer MAX of those
+  /// 32 bits across shards is therefore the NaN-propagating float max (a NaN in any shard makes
+  /// every shard's scale NaN, as the unsharded layer's), which a float MAX reduction (fmaxf
+  /// semantics, dropping NaN) is not. Neither step allocates or synchronizes; both can be captured.
+  ///
+  /// forward_local_amax: writes this shard's max |x| to stats[0] (0 for tokens == 0, the identity
+  /// of the reduction); reads nothing else, writes nothing else.
+  void forward_local_amax(const T* x, std::int64_t tokens, float* stats,
+                          cudaStream_t stream = nullptr);
+
+  /// forward_from_amax: the rest of forward() from the amax in stats[0] (any non-negative float
+  /// or NaN, e.g. the reduction's result): writes the scale to stats[1], `mixed` and `out`.
+  /// Arguments and errors as the caller-buffer forward().
+  void forward_from_amax(const T* x, const T* logits, const T* weight, const T* bias, T* out,
+                         std::int64_t tokens, T* mixed, float* stats,
+                         cudaStream_t stream = nullptr);
+
   /// Where backward() writes; a null pointer skips that gradient and the work only it needs.
   struct Gradients {
     T* x = nullptr;       ///< [tokens, in_features]
@@ -204,8 +230,12 @@ class QuantBlendLinear {
 
   void check_forward(const T* x, const T* logits, const T* weight, const T* bias, const T* out,
                      std::int64_t tokens) const;
+  void check_caller_buffers(const T* x, const T* logits, const T* weight, const T* bias,
+                            const T* out, std::int64_t tokens, const T* mixed,
+                            const float* stats) const;
   void run_forward(const T* x, const T* logits, const T* weight, const T* bias, T* out,
-                   std::int64_t tokens, T* mixed, float* stats, cudaStream_t stream);
+                   std::int64_t tokens, T* mixed, float* stats, cudaStream_t stream,
+                   bool amax_given = false);
 
   std::int64_t in_ = 0, out_ = 0, max_tokens_ = 0;
   Options options_;

@@ -125,8 +125,12 @@ void QuantBlendLinear<T>::check_forward(const T* x, const T* logits, const T* we
 template <typename T>
 void QuantBlendLinear<T>::run_forward(const T* x, const T* logits, const T* weight, const T* bias,
                                       T* out, std::int64_t tokens, T* mixed, float* stats,
-                                      cudaStream_t stream) {
-  {
+                                      cudaStream_t stream, bool amax_given) {
+  if (amax_given) {
+    const detail::NvtxRange range("qbl prologue (quant_blend from a given amax)");
+    QBL_CUDA_TRY(
+        detail::quant_blend_with(x, logits, stats, mixed, tokens, in_, stats + 1, limits_, stream));
+  } else {
     const detail::NvtxRange range("qbl prologue (amax + quant_blend)");
     QBL_CUDA_TRY(detail::amax_quant_blend_with(x, logits, mixed, tokens, in_, stats, stats + 1,
                                                limits_, stream));
@@ -163,6 +167,48 @@ void QuantBlendLinear<T>::forward(const T* x, const T* logits, const T* weight, 
   QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
   QBL_EXPECTS(tokens <= max_tokens_, qbl::out_of_range, "tokens exceeds max_tokens");
   if (tokens == 0) return;
+  check_caller_buffers(x, logits, weight, bias, out, tokens, mixed, stats);
+  run_forward(x, logits, weight, bias, out, tokens, mixed, stats, stream);
+}
+
+template <typename T>
+void QuantBlendLinear<T>::forward_local_amax(const T* x, std::int64_t tokens, float* stats,
+                                             cudaStream_t stream) {
+  const detail::NvtxRange range("qbl local amax");
+  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error,
+              "forward_local_amax() on a moved-from QuantBlendLinear");
+  QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
+  QBL_EXPECTS(tokens <= max_tokens_, qbl::out_of_range, "tokens exceeds max_tokens");
+  QBL_EXPECTS(stats != nullptr && (tokens == 0 || x != nullptr), qbl::invalid_argument,
+              "x and stats must not be null");
+  QBL_EXPECTS(detail::is_aligned(x, sizeof(T)) && detail::is_aligned(stats, sizeof(float)),
+              qbl::invalid_argument, "pointers must be aligned to the element size");
+  QBL_EXPECTS(
+      !detail::overlaps(stats, sizeof(float), x, detail::checked_bytes(tokens, in_, sizeof(T))),
+      qbl::invalid_argument, "stats must not overlap x");
+  QBL_EXPECTS(detail::current_device() == device_, qbl::invalid_argument,
+              "forward_local_amax() must run on the device the layer was constructed on");
+  QBL_CUDA_TRY(detail::amax_launch(x, tokens * in_, stats, limits_.sms, stream));
+}
+
+template <typename T>
+void QuantBlendLinear<T>::forward_from_amax(const T* x, const T* logits, const T* weight,
+                                            const T* bias, T* out, std::int64_t tokens, T* mixed,
+                                            float* stats, cudaStream_t stream) {
+  const detail::NvtxRange range("qbl forward from amax");
+  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error,
+              "forward_from_amax() on a moved-from QuantBlendLinear");
+  QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
+  QBL_EXPECTS(tokens <= max_tokens_, qbl::out_of_range, "tokens exceeds max_tokens");
+  if (tokens == 0) return;
+  check_caller_buffers(x, logits, weight, bias, out, tokens, mixed, stats);
+  run_forward(x, logits, weight, bias, out, tokens, mixed, stats, stream, true);
+}
+
+template <typename T>
+void QuantBlendLinear<T>::check_caller_buffers(const T* x, const T* logits, const T* weight,
+                                               const T* bias, const T* out, std::int64_t tokens,
+                                               const T* mixed, const float* stats) const {
   check_forward(x, logits, weight, bias, out, tokens);
   QBL_EXPECTS(mixed != nullptr && stats != nullptr, qbl::invalid_argument,
               "mixed and stats must not be null");
@@ -181,7 +227,6 @@ void QuantBlendLinear<T>::forward(const T* x, const T* logits, const T* weight, 
   }
   QBL_EXPECTS(!detail::overlaps(mixed, mixed_bytes, stats, n_stats), qbl::invalid_argument,
               "mixed and stats must not overlap each other");
-  run_forward(x, logits, weight, bias, out, tokens, mixed, stats, stream);
 }
 
 template <typename T>
