@@ -61,8 +61,7 @@ std::string shape_str(c10::IntArrayRef sizes) {
   return s + "]";
 }
 
-// ---- the layers
-// ----------------------------------------------------------------------------------
+// ---- the layers --------------------------------------------------------------------------------
 
 // qbl's device memory through torch's caching allocator (on the current device and stream).
 void* torch_allocate(std::size_t bytes, void*) {
@@ -106,7 +105,8 @@ class Layer {
   virtual std::size_t workspace_bytes() const = 0;
   virtual void forward(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& weight,
                        const at::Tensor* bias, at::Tensor& out, at::Tensor& mixed,
-                       at::Tensor& stats, std::int64_t tokens, cudaStream_t stream) = 0;
+                       at::Tensor& stats, std::int64_t tokens, bool amax_given,
+                       cudaStream_t stream) = 0;
   virtual void backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& logits,
                         const at::Tensor& weight, const at::Tensor& mixed, const at::Tensor& stats,
                         std::int64_t tokens, at::Tensor* gx, at::Tensor* gl, at::Tensor* gw,
@@ -131,9 +131,14 @@ class TypedLayer final : public Layer {
 
   void forward(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& weight,
                const at::Tensor* bias, at::Tensor& out, at::Tensor& mixed, at::Tensor& stats,
-               std::int64_t tokens, cudaStream_t stream) override {
-    impl_.forward(in(x), in(logits), in(weight), bias ? in(*bias) : nullptr, ptr(out), tokens,
-                  ptr(mixed), stats.mutable_data_ptr<float>(), stream);
+               std::int64_t tokens, bool amax_given, cudaStream_t stream) override {
+    if (amax_given) {
+      impl_.forward_from_amax(in(x), in(logits), in(weight), bias ? in(*bias) : nullptr, ptr(out),
+                              tokens, ptr(mixed), stats.mutable_data_ptr<float>(), stream);
+    } else {
+      impl_.forward(in(x), in(logits), in(weight), bias ? in(*bias) : nullptr, ptr(out), tokens,
+                    ptr(mixed), stats.mutable_data_ptr<float>(), stream);
+    }
   }
 
   void backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& logits,
@@ -247,8 +252,7 @@ class Registry {
   std::vector<std::unique_ptr<Layer>> retired_;
 };
 
-// ---- validation
-// ----------------------------------------------------------------------------------
+// ---- validation --------------------------------------------------------------------------------
 
 void check_tensor(const char* op, const at::Tensor& t, const char* name, const at::Tensor& x) {
   TORCH_CHECK(t.layout() == c10::kStrided, op, ": ", name, " must be a dense tensor");
@@ -292,17 +296,19 @@ Problem check_problem(const char* op, const at::Tensor& x, const at::Tensor& log
   return p;
 }
 
-// ---- the operators
-// -------------------------------------------------------------------------------
+// ---- the operators -----------------------------------------------------------------------------
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& x_in,
-                                                       const at::Tensor& logits_in,
-                                                       const at::Tensor& weight_in,
-                                                       const std::optional<at::Tensor>& bias_in,
-                                                       bool straight_through, bool allow_tf32) {
-  (void)straight_through;  // the forward is the same; autograd reads it
-  constexpr const char* op = "qbl.forward";
+// The forward, from x's own amax or (amax_in defined) from a given one.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
+    const char* op, const at::Tensor& x_in, const at::Tensor& logits_in,
+    const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
+    const at::Tensor* amax_in, bool allow_tf32) {
   const Problem p = check_problem(op, x_in, logits_in, weight_in);
+  if (amax_in != nullptr) {
+    TORCH_CHECK(amax_in->device() == x_in.device() && amax_in->scalar_type() == at::kFloat &&
+                    amax_in->numel() == 2 && amax_in->is_contiguous(),
+                op, ": amax must be local_amax()'s float32 [2] tensor on x's device");
+  }
   const bool has_bias = bias_in.has_value() && bias_in->defined();
   if (has_bias) {
     check_tensor(op, *bias_in, "bias", x_in);
@@ -314,8 +320,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& x_in,
   out_sizes.push_back(p.out);
   at::Tensor out = at::empty(out_sizes, x_in.options());
   at::Tensor mixed = at::empty(x_in.sizes(), x_in.options());
-  at::Tensor stats = at::empty({2}, x_in.options().dtype(at::kFloat));
-  if (p.tokens == 0) return {out, mixed, stats.zero_()};
+  at::Tensor stats =
+      amax_in != nullptr ? amax_in->clone() : at::empty({2}, x_in.options().dtype(at::kFloat));
+  if (p.tokens == 0) return {out, mixed, amax_in != nullptr ? stats : stats.zero_()};
 
   const c10::cuda::CUDAGuard guard(x_in.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
@@ -328,9 +335,58 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& x_in,
   std::lock_guard<std::mutex> lock(layer.mutex);
   translate([&] {
     layer.forward(x, logits, weight, has_bias ? &bias : nullptr, out, mixed, stats, p.tokens,
-                  stream);
+                  amax_in != nullptr, stream);
   });
   return {out, mixed, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& x,
+                                                       const at::Tensor& logits,
+                                                       const at::Tensor& weight,
+                                                       const std::optional<at::Tensor>& bias,
+                                                       bool straight_through, bool allow_tf32) {
+  (void)straight_through;  // the forward is the same; autograd reads it
+  return forward_impl("qbl.forward", x, logits, weight, bias, nullptr, allow_tf32);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_from_amax(
+    const at::Tensor& x, const at::Tensor& logits, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& amax, bool straight_through,
+    bool allow_tf32) {
+  (void)straight_through;
+  return forward_impl("qbl.forward_from_amax", x, logits, weight, bias, &amax, allow_tf32);
+}
+
+// [max |x| of this shard, 0] in float32: the first step of a sharded forward. stats[0]'s bits,
+// read as int32, order like the values (its sign bit is clear), NaN above +Inf: an integer MAX
+// all-reduce of them is the NaN-propagating max over the shards.
+at::Tensor local_amax(const at::Tensor& x_in) {
+  constexpr const char* op = "qbl.local_amax";
+  TORCH_CHECK(x_in.layout() == c10::kStrided, op, ": x must be a dense tensor");
+  TORCH_CHECK(x_in.is_cuda(), op, ": x must be a CUDA tensor, got one on ", x_in.device().str());
+  const auto dt = x_in.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op,
+                   ": unsupported dtype ", c10::toString(dt),
+                   "; supported: torch.float32, torch.bfloat16, torch.float16");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  at::Tensor stats = at::empty({2}, x_in.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(cudaMemsetAsync(stats.mutable_data_ptr<float>(), 0, 2 * sizeof(float), stream));
+  if (x_in.numel() == 0) return stats;
+  const at::Tensor x = x_in.contiguous();
+  cudaError_t e = cudaSuccess;
+  float* d = stats.mutable_data_ptr<float>();
+  if (dt == at::kFloat) {
+    e = qbl::amax(x.const_data_ptr<float>(), x.numel(), d, stream);
+  } else if (dt == at::kBFloat16) {
+    e = qbl::amax(reinterpret_cast<const __nv_bfloat16*>(x.const_data_ptr<at::BFloat16>()),
+                  x.numel(), d, stream);
+  } else {
+    e = qbl::amax(reinterpret_cast<const __half*>(x.const_data_ptr<at::Half>()), x.numel(), d,
+                  stream);
+  }
+  C10_CUDA_CHECK(e);
+  return stats;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
@@ -395,6 +451,11 @@ TORCH_LIBRARY(qbl, m) {
       "Tensor stats, bool has_bias, bool[4] output_mask, bool straight_through=False, "
       "bool allow_tf32=False) -> (Tensor grad_x, Tensor grad_logits, Tensor grad_weight, "
       "Tensor grad_bias)");
+  m.def("local_amax(Tensor x) -> Tensor");
+  m.def(
+      "forward_from_amax(Tensor x, Tensor logits, Tensor weight, Tensor? bias, Tensor amax, "
+      "bool straight_through=False, bool allow_tf32=False) -> (Tensor out, Tensor mixed, "
+      "Tensor stats)");
   m.def("clear_cache() -> ()", &qbl_torch::clear_cache);
   m.def("cache_info() -> int[]", &qbl_torch::cache_info);
 }
@@ -402,6 +463,8 @@ TORCH_LIBRARY(qbl, m) {
 TORCH_LIBRARY_IMPL(qbl, CUDA, m) {
   m.impl("forward", &qbl_torch::forward);
   m.impl("backward", &qbl_torch::backward);
+  m.impl("local_amax", &qbl_torch::local_amax);
+  m.impl("forward_from_amax", &qbl_torch::forward_from_amax);
 }
 
 // CPU tensors reach the same functions, whose first check says that x must be a CUDA tensor
@@ -409,6 +472,8 @@ TORCH_LIBRARY_IMPL(qbl, CUDA, m) {
 TORCH_LIBRARY_IMPL(qbl, CPU, m) {
   m.impl("forward", &qbl_torch::forward);
   m.impl("backward", &qbl_torch::backward);
+  m.impl("local_amax", &qbl_torch::local_amax);
+  m.impl("forward_from_amax", &qbl_torch::forward_from_amax);
 }
 
 // Importing qbl._C registers the operators above; the module itself is empty.

@@ -21,7 +21,8 @@ them and CUDA graphs capture them.
 import torch  # noqa: F401  (first: loads the libraries qbl._C links against)
 
 from . import _C  # noqa: F401  (registers torch.ops.qbl.*)
-from ._ops import cache_info, clear_cache, quant_blend_linear
+from ._ops import all_reduce_amax, cache_info, clear_cache, quant_blend_linear
 from .nn import QuantBlendLinear
 
-__all__ = ["QuantBlendLinear", "quant_blend_linear", "clear_cache", "cache_info"]
+__all__ = ["QuantBlendLinear", "quant_blend_linear", "all_reduce_amax", "clear_cache",
+           "cache_info"]

@@ -3,11 +3,11 @@ form. The operators themselves are registered in C++ (csrc/qbl_torch.cu)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["quant_blend_linear", "clear_cache", "cache_info"]
+__all__ = ["quant_blend_linear", "all_reduce_amax", "clear_cache", "cache_info"]
 
 
 @torch.library.register_fake("qbl::forward")
@@ -16,6 +16,17 @@ def _forward_fake(x, logits, weight, bias, straight_through=False, allow_tf32=Fa
     mixed = x.new_empty(x.shape)
     stats = x.new_empty((2,), dtype=torch.float32)
     return out, mixed, stats
+
+
+@torch.library.register_fake("qbl::local_amax")
+def _local_amax_fake(x):
+    return x.new_empty((2,), dtype=torch.float32)
+
+
+@torch.library.register_fake("qbl::forward_from_amax")
+def _forward_from_amax_fake(x, logits, weight, bias, amax, straight_through=False,
+                            allow_tf32=False):
+    return _forward_fake(x, logits, weight, bias, straight_through, allow_tf32)
 
 
 @torch.library.register_fake("qbl::backward")
@@ -30,7 +41,11 @@ def _backward_fake(grad_out, x, logits, weight, mixed, stats, has_bias, output_m
 
 
 def _setup_context(ctx, inputs, output):
-    x, logits, weight, bias, straight_through, allow_tf32 = inputs
+    if len(inputs) == 7:  # forward_from_amax: the amax (detached, as in the module) between
+        x, logits, weight, bias, _, straight_through, allow_tf32 = inputs
+    else:
+        x, logits, weight, bias, straight_through, allow_tf32 = inputs
+    ctx.n_inputs = len(inputs)
     _, mixed, stats = output
     need = ctx.needs_input_grad
     # mixed (the one tensor this layer adds) only where grad_weight will read it.
@@ -50,16 +65,30 @@ def _backward(ctx, grad_out, _grad_mixed, _grad_stats):
     gx, gl, gw, gb = torch.ops.qbl.backward(grad_out, x, logits, weight, mixed, stats,
                                             ctx.has_bias, mask, ctx.straight_through,
                                             ctx.allow_tf32)
-    return (gx if need[0] else None, gl if need[1] else None, gw if need[2] else None,
-            gb if mask[3] else None, None, None)
+    grads = (gx if need[0] else None, gl if need[1] else None, gw if need[2] else None,
+             gb if mask[3] else None)
+    return grads + (None,) * (ctx.n_inputs - 4)
 
 
 torch.library.register_autograd("qbl::forward", _backward, setup_context=_setup_context)
+torch.library.register_autograd("qbl::forward_from_amax", _backward, setup_context=_setup_context)
+
+
+def all_reduce_amax(stats: torch.Tensor, group=None) -> torch.Tensor:
+    """The reduction between the two steps of a sharded forward, through torch.distributed:
+    an integer MAX of amax's bits over `group`, in place. stats[0] (max |x|) has its sign bit
+    clear, so its bits read as int32 order like the values, with NaN above +Inf: the integer max
+    is the NaN-propagating float max (a float MAX all-reduce would drop NaN)."""
+    torch.distributed.all_reduce(stats[:1].view(torch.int32), op=torch.distributed.ReduceOp.MAX,
+                                 group=group)
+    return stats
 
 
 def quant_blend_linear(x: torch.Tensor, logits: torch.Tensor, weight: torch.Tensor,
                        bias: Optional[torch.Tensor] = None, straight_through: bool = False,
-                       allow_tf32: bool = False) -> torch.Tensor:
+                       allow_tf32: bool = False, process_group=None,
+                       amax_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                       ) -> torch.Tensor:
     """out = (alpha * fake_quant(x) + (1 - alpha) * x) @ weight.T + bias, alpha = sigmoid(logits).
 
     x [..., in_features], logits x.shape[:-1], weight [out_features, in_features], bias
@@ -67,8 +96,20 @@ def quant_blend_linear(x: torch.Tensor, logits: torch.Tensor, weight: torch.Tens
     in x, logits, weight and bias. straight_through=True takes the quantizer's gradient as the
     identity (the straight-through estimator); the default is the reference's zero gradient.
     allow_tf32=True runs float32 GEMMs on TF32 tensor cores.
+
+    Sharded x (tensor or sequence parallelism): with `process_group`, amax is the max over every
+    rank's shard (all_reduce_amax), so the result equals the unsharded layer's; `amax_reduce`
+    takes any other reduction (a callable given this shard's [amax, 0] float32 tensor, returning
+    the reduced one). The backward needs no communication for amax, which is detached.
     """
-    return torch.ops.qbl.forward(x, logits, weight, bias, straight_through, allow_tf32)[0]
+    if process_group is None and amax_reduce is None:
+        return torch.ops.qbl.forward(x, logits, weight, bias, straight_through, allow_tf32)[0]
+    if amax_reduce is None:
+        def amax_reduce(stats):
+            return all_reduce_amax(stats, process_group)
+    amax = amax_reduce(torch.ops.qbl.local_amax(x))
+    return torch.ops.qbl.forward_from_amax(x, logits, weight, bias, amax, straight_through,
+                                           allow_tf32)[0]
 
 
 def clear_cache() -> None:

@@ -21,17 +21,20 @@ class QuantBlendLinear(nn.Module):
 
     straight_through: the quantizer's gradient taken as the identity (the straight-through
     estimator); default False, the reference's zero gradient. allow_tf32: float32 GEMMs on TF32
-    tensor cores (default False: exact float32, as PyTorch's default matmul).
+    tensor cores (default False: exact float32, as PyTorch's default matmul). process_group: x is
+    a shard and amax is reduced over the group (see qbl.quant_blend_linear).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
-                 dtype=None, straight_through: bool = False, allow_tf32: bool = False):
+                 dtype=None, straight_through: bool = False, allow_tf32: bool = False,
+                 process_group=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.in_features = in_features
         self.out_features = out_features
         self.straight_through = straight_through
         self.allow_tf32 = allow_tf32
+        self.process_group = process_group
         self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, **factory))
@@ -48,7 +51,7 @@ class QuantBlendLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return quant_blend_linear(x, logits, self.weight, self.bias, self.straight_through,
-                                  self.allow_tf32)
+                                  self.allow_tf32, process_group=self.process_group)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -1,0 +1,156 @@
+"""Sharded x: torch.ops.qbl.local_amax + torch.ops.qbl.forward_from_amax around a reduction of
+amax's bits. On one GPU: the split equals the fused forward bit for bit (out, mixed, stats and
+every gradient); shards along the tokens and along the features, reduced with an integer max of
+the bits, give the unsharded layer's `mixed` bit for bit (NaN in one shard included); the
+process_group path through a one-rank NCCL group. On two GPUs: one process per GPU, x sharded
+along the tokens, `mixed` bit-equal to one GPU's on the whole x."""
+
+from __future__ import annotations
+
+import helpers as H  # first: skips this module cleanly when torch or qbl cannot be imported
+
+import os
+
+import pytest
+import torch
+
+import qbl
+
+
+def _bits_max(stats_list):
+    """Every shard's stats[0] := the integer max of all shards' stats[0] bits (what an all-reduce
+    of int32 with MAX computes), on new tensors."""
+    m = torch.stack([s[:1].view(torch.int32) for s in stats_list]).amax(0)
+    out = []
+    for s in stats_list:
+        r = s.clone()
+        r[:1].view(torch.int32).copy_(m)
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
+def test_split_equals_fused_forward_and_backward(dtype):
+    x, l, w, b = H.make_inputs((3, 41), 96, 40, dtype, seed=300)
+    g = H.make_grad_out((3, 41, 40), dtype, seed=301)
+    want = H.run_autograd(H.qbl_fn(), x, l, w, b, g)
+    got = H.run_autograd(
+        lambda *a: qbl.quant_blend_linear(*a, amax_reduce=lambda s: s), x, l, w, b, g)
+    for name in ("out", "x", "logits", "weight", "bias"):
+        H.assert_bits_equal(getattr(got, name), getattr(want, name), f"split vs fused: {name}")
+    out_f, mixed_f, stats_f = torch.ops.qbl.forward(x, l, w, b)
+    local = torch.ops.qbl.local_amax(x)
+    out_s, mixed_s, stats_s = torch.ops.qbl.forward_from_amax(x, l, w, b, local)
+    H.assert_bits_equal(local[0], stats_f[0], "local_amax vs the fused forward's amax")
+    H.assert_bits_equal(stats_s, stats_f, "stats")
+    H.assert_bits_equal(mixed_s, mixed_f, "mixed")
+    H.assert_bits_equal(out_s, out_f, "out")
+
+
+@pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_in_one_shard"])
+@pytest.mark.parametrize("axis", ["tokens", "features"])
+def test_shards_equal_the_unsharded_layer(dtype, nan, axis):
+    x, l, w, b = H.make_inputs((160,), 128, 48, dtype, seed=310)
+    if nan:
+        x[150, 100] = float("nan")
+    _, mixed_whole, stats_whole = torch.ops.qbl.forward(x, l, w, b)
+    if axis == "tokens":
+        cuts = [(slice(0, 61), slice(None)), (slice(61, 160), slice(None))]
+    else:
+        cuts = [(slice(None), slice(0, 40)), (slice(None), slice(40, 128))]
+    shards = [(x[r, c].contiguous(), l[r].contiguous(), w[:, c].contiguous()) for r, c in cuts]
+    reduced = _bits_max([torch.ops.qbl.local_amax(xs) for xs, _, _ in shards])
+    for (r, c), (xs, ls, ws), amax in zip(cuts, shards, reduced):
+        _, mixed, stats = torch.ops.qbl.forward_from_amax(xs, ls, ws, b, amax)
+        H.assert_bits_equal(mixed, mixed_whole[r, c], f"{axis} shard {r, c}: mixed")
+        H.assert_bits_equal(stats, stats_whole, f"{axis} shard {r, c}: [amax, scale]")
+    if nan:
+        assert torch.isnan(stats_whole[1]), "a NaN in x must make the scale NaN"
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
+                                   pytest.param(torch.bfloat16, id="bf16")])
+def test_opcheck_sharded_ops(dtype):
+    x, l, w, b = H.make_inputs((3, 5), 32, 24, dtype, seed=320)
+    for op, args in ((torch.ops.qbl.local_amax.default, (x,)),
+                     (torch.ops.qbl.forward_from_amax.default,
+                      tuple(t.requires_grad_() for t in (x, l, w, b))
+                      + (torch.ops.qbl.local_amax(x.detach()),))):
+        result = torch.library.opcheck(op, args, raise_exception=False)
+        failed = {k: v for k, v in result.items() if v != "SUCCESS"}
+        assert not failed, f"{op}: opcheck failures: {failed}"
+
+
+def test_empty_shard_contributes_zero():
+    x = torch.empty((0, 64), device=H.device())
+    stats = torch.ops.qbl.local_amax(x)
+    assert stats.view(torch.int32).tolist() == [0, 0]
+
+
+def test_process_group_of_one_rank_equals_the_unsharded_layer(tmp_path):
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip("torch.distributed with NCCL is not available")
+    assert not dist.is_initialized(), "a process group is already initialized in this process"
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1,
+                            device_id=H.device())
+    try:
+        x, l, w, b = H.make_inputs((4, 33), 64, 32, torch.bfloat16, seed=330)
+        layer = qbl.QuantBlendLinear(64, 32, device=H.device(), dtype=torch.bfloat16,
+                                     process_group=dist.group.WORLD)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+            layer.bias.copy_(b)
+        got = layer(x, l)
+        want = qbl.quant_blend_linear(x, l, w, b)
+        H.assert_bits_equal(got, want, "one-rank process group vs unsharded")
+    finally:
+        dist.destroy_process_group()
+
+
+_WORKER = r"""
+import os, sys, torch, torch.distributed as dist
+import qbl
+rank, world, path, store_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank,
+                        world_size=world, device_id=torch.device("cuda", rank))
+g = torch.Generator().manual_seed(340)
+x = torch.randn(96, 128, generator=g).to(torch.bfloat16)
+if os.environ.get("QBL_SHARD_NAN") == "1":
+    x[90, 7] = float("nan")
+l = torch.randn(96, generator=g).to(torch.bfloat16)
+w = (torch.randn(48, 128, generator=g) * 0.05).to(torch.bfloat16)
+rows = slice(rank * 96 // world, (rank + 1) * 96 // world)
+dev = torch.device("cuda", rank)
+xs, ls, w = x[rows].to(dev), l[rows].to(dev), w.to(dev)
+amax = qbl.all_reduce_amax(torch.ops.qbl.local_amax(xs))
+_, mixed, stats = torch.ops.qbl.forward_from_amax(xs, ls, w, None, amax)
+torch.save({"mixed": mixed.cpu(), "stats": stats.cpu(), "rows": (rows.start, rows.stop),
+            "x": x, "l": l, "w": w.cpu()}, path)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_on_one_rank"])
+def test_two_gpus_token_shards_equal_one_gpu(tmp_path, nan):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    import subprocess
+    import sys
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    env = dict(os.environ, QBL_SHARD_NAN="1" if nan else "0")
+    store = str(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2",
+                               str(tmp_path / f"rank{r}.pt"), store], env=env) for r in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], "a rank failed"
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    x, l, w = (results[0][k].to(H.device()) for k in ("x", "l", "w"))
+    _, mixed_whole, stats_whole = torch.ops.qbl.forward(x, l, w, None)
+    for r, res in enumerate(results):
+        lo, hi = res["rows"]
+        H.assert_bits_equal(res["mixed"].to(H.device()), mixed_whole[lo:hi], f"rank {r}: mixed")
+        H.assert_bits_equal(res["stats"].to(H.device()), stats_whole, f"rank {r}: stats")
