@@ -12,10 +12,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -88,6 +90,22 @@ struct Buffers {
   }
 };
 
+// No element still holds the poison bytes (for bf16/fp16 the widened poison is a NaN that
+// bits_equal would accept as any other NaN).
+template <typename T>
+::testing::AssertionResult all_written(const qbl_test::DeviceArray<T>& a) {
+  std::vector<T> h(a.size());
+  if (qbl_test::to_host(h, a.get()) != cudaSuccess) return ::testing::AssertionFailure() << "copy";
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    unsigned char raw[sizeof(T)];
+    std::memcpy(raw, &h[i], sizeof(T));
+    bool poison = true;
+    for (unsigned char c : raw) poison = poison && c == qbl_test::poison_byte;
+    if (poison) return ::testing::AssertionFailure() << "element " << i << " unwritten";
+  }
+  return ::testing::AssertionSuccess();
+}
+
 template <typename T>
 void fused(qbl::QuantBlendLinear<T>& layer, Buffers<T>& r, std::int64_t tokens) {
   layer.forward(r.x.get(), r.l.get(), r.w.get(), r.b.get(), r.y.get(), tokens, r.mixed.get(),
@@ -99,23 +117,28 @@ TYPED_TEST(ShardedForward, SplitStepsEqualTheFusedForwardBitForBit) {
   using T = TypeParam;
   const std::uint64_t seed = qbl_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  for (const bool nan : {false, true}) {
-    SCOPED_TRACE(nan ? "a NaN in x" : "finite x");
-    Problem<T> p(333, 136, 72, seed);
-    if (nan) p.x[7 * 136 + 5] = qbl_test::from_f<T>(std::numeric_limits<float>::quiet_NaN());
-    qbl::QuantBlendLinear<T> layer(p.in, p.out, 512);
-    Buffers<T> want(p), got(p);
-    fused(layer, want, p.tokens);
-    layer.forward_local_amax(got.x.get(), p.tokens, got.stats.get());
-    layer.forward_from_amax(got.x.get(), got.l.get(), got.w.get(), got.b.get(), got.y.get(),
-                            p.tokens, got.mixed.get(), got.stats.get());
-    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    EXPECT_TRUE(qbl_test::bits_equal(Buffers<T>::host(got.stats), Buffers<T>::host(want.stats)));
-    EXPECT_TRUE(
-        qbl_test::bits_equal(Buffers<T>::host(got.mixed), Buffers<T>::host(want.mixed), p.in));
-    EXPECT_TRUE(qbl_test::bits_equal(Buffers<T>::host(got.y), Buffers<T>::host(want.y), p.out));
-    if (nan) EXPECT_TRUE(std::isnan(Buffers<T>::host(got.stats)[1])) << "the scale must be NaN";
-  }
+  // 333 x 136 takes the amax + quant-blend kernels, 40 x 96 the single-block kernel.
+  for (const auto& [tokens, in] : {std::pair<std::int64_t, std::int64_t>{333, 136}, {40, 96}})
+    for (const bool nan : {false, true}) {
+      SCOPED_TRACE(nan ? "a NaN in x" : "finite x");
+      SCOPED_TRACE("tokens " + std::to_string(tokens) + ", in " + std::to_string(in));
+      Problem<T> p(tokens, in, 72, seed);
+      if (nan) p.x[7 * in + 5] = qbl_test::from_f<T>(std::numeric_limits<float>::quiet_NaN());
+      qbl::QuantBlendLinear<T> layer(p.in, p.out, 512);
+      Buffers<T> want(p), got(p);
+      fused(layer, want, p.tokens);
+      layer.forward_local_amax(got.x.get(), p.tokens, got.stats.get());
+      layer.forward_from_amax(got.x.get(), got.l.get(), got.w.get(), got.b.get(), got.y.get(),
+                              p.tokens, got.mixed.get(), got.stats.get());
+      QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+      EXPECT_TRUE(qbl_test::bits_equal(Buffers<T>::host(got.stats), Buffers<T>::host(want.stats)));
+      EXPECT_TRUE(
+          qbl_test::bits_equal(Buffers<T>::host(got.mixed), Buffers<T>::host(want.mixed), p.in));
+      EXPECT_TRUE(qbl_test::bits_equal(Buffers<T>::host(got.y), Buffers<T>::host(want.y), p.out));
+      EXPECT_TRUE(all_written(got.mixed));
+      EXPECT_TRUE(all_written(got.y));
+      if (nan) EXPECT_TRUE(std::isnan(Buffers<T>::host(got.stats)[1])) << "the scale must be NaN";
+    }
 }
 
 // Shards along the tokens (sequence parallelism) and along the features (a row-parallel
@@ -188,6 +211,7 @@ TYPED_TEST(ShardedForward, ShardsWithTheMaxOfTheirAmaxBitsEqualTheUnshardedLayer
           for (std::int64_t i = c.c0; i < c.c1; ++i) want.push_back(ref_mixed[r * in + i]);
         EXPECT_TRUE(qbl_test::bits_equal(Buffers<T>::host(runs[s]->mixed), want, parts[s].in));
         EXPECT_TRUE(qbl_test::bits_equal(Buffers<T>::host(runs[s]->stats), ref_stats));
+        EXPECT_TRUE(all_written(runs[s]->mixed));
       }
     }
   }

@@ -125,8 +125,9 @@ class QuantBlendLinear {
                           cudaStream_t stream = nullptr);
 
   /// forward_from_amax: the rest of forward() from the amax in stats[0] (any non-negative float
-  /// or NaN, e.g. the reduction's result): writes the scale to stats[1], `mixed` and `out`.
-  /// Arguments and errors as the caller-buffer forward().
+  /// or NaN, e.g. the reduction's result): writes the scale to stats[1], `mixed` and `out`
+  /// (tokens == 0 writes nothing, as forward()). Arguments and errors as the caller-buffer
+  /// forward().
   void forward_from_amax(const T* x, const T* logits, const T* weight, const T* bias, T* out,
                          std::int64_t tokens, T* mixed, float* stats,
                          cudaStream_t stream = nullptr);

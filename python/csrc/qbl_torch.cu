@@ -196,6 +196,10 @@ class Registry {
     TORCH_CHECK(!capturing(stream), "qbl: planning a layer for ", std::to_string(tokens),
                 " tokens during CUDA graph capture is not possible (planning allocates and "
                 "synchronizes); run the same call once before capturing");
+    // Planning allocates from torch's pool of this stream and works on streams of its own (and
+    // the legacy default stream): let this stream's queued work finish first, so that no block
+    // it frees on the way is still in use. Planning synchronizes anyway.
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
     qbl::Options o;
     o.allow_tf32 = key.tf32;
     o.backward = key.backward;

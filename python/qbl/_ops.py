@@ -98,7 +98,10 @@ def quant_blend_linear(x: torch.Tensor, logits: torch.Tensor, weight: torch.Tens
     allow_tf32=True runs float32 GEMMs on TF32 tensor cores.
 
     Sharded x (tensor or sequence parallelism): with `process_group`, amax is the max over every
-    rank's shard (all_reduce_amax), so the result equals the unsharded layer's; `amax_reduce`
+    rank's shard (all_reduce_amax), so each rank's `mixed` is its part of the unsharded layer's:
+    with token shards the output rows are the unsharded layer's too; with feature shards (a
+    row-parallel linear) the output is this shard's partial product, which the surrounding
+    parallel layout sums (add the bias on one rank only); `amax_reduce`
     takes any other reduction (a callable given this shard's [amax, 0] float32 tensor, returning
     the reduced one). The backward needs no communication for amax, which is detached.
     """
@@ -107,7 +110,7 @@ def quant_blend_linear(x: torch.Tensor, logits: torch.Tensor, weight: torch.Tens
     if amax_reduce is None:
         def amax_reduce(stats):
             return all_reduce_amax(stats, process_group)
-    amax = amax_reduce(torch.ops.qbl.local_amax(x))
+    amax = amax_reduce(torch.ops.qbl.local_amax(x.detach()))  # amax is detached, as in the module
     return torch.ops.qbl.forward_from_amax(x, logits, weight, bias, amax, straight_through,
                                            allow_tf32)[0]
 

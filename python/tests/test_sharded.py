@@ -146,7 +146,13 @@ def test_two_gpus_token_shards_equal_one_gpu(tmp_path, nan):
     store = str(tmp_path / "store")
     procs = [subprocess.Popen([sys.executable, str(script), str(r), "2",
                                str(tmp_path / f"rank{r}.pt"), store], env=env) for r in range(2)]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0], "a rank failed"
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0], f"a rank failed: exit codes {codes}"
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     x, l, w = (results[0][k].to(H.device()) for k in ("x", "l", "w"))
     _, mixed_whole, stats_whole = torch.ops.qbl.forward(x, l, w, None)

@@ -102,6 +102,14 @@ struct GemmPlan<T>::Scratch {
   detail::device_buffer a, b, d, vector, workspace;
   detail::stream_ptr stream;
   detail::event_ptr start, stop;
+  // Planning may end in a throw with memsets or trial products still queued on `stream`: they
+  // finish before the buffers go back (a stream-ordered allocator would hand them out at once).
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() {
+    if (stream) cudaStreamSynchronize(stream.get());
+  }
 };
 
 template <typename T>

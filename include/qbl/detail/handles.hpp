@@ -21,6 +21,9 @@ class device_buffer {
   device_buffer() = default;
   explicit device_buffer(std::size_t bytes, const DeviceAllocator& allocator = {})
       : bytes_(bytes), allocator_(allocator) {
+    QBL_EXPECTS((allocator.allocate == nullptr) == (allocator.deallocate == nullptr),
+                qbl::invalid_argument,
+                "a DeviceAllocator sets both allocate and deallocate, or neither");
     if (bytes == 0) return;
     if (allocator_.allocate == nullptr) {
       QBL_CUDA_TRY(cudaMalloc(&ptr_, bytes));

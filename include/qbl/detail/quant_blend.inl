@@ -214,7 +214,8 @@ cudaError_t launch_limits(LaunchLimits* limits) {
 template <typename T, int N>
 cudaError_t launch_quant_blend(const T* x, const T* logits, const float* amax, T* mixed,
                                std::int64_t tokens, std::int64_t features, float* scale,
-                               const LaunchLimits& limits, cudaStream_t stream) {
+                               const LaunchLimits& limits, cudaStream_t stream,
+                               bool after_amax_kernel) {
   constexpr int threads = quant_blend_block_threads;
   constexpr std::int64_t tile = std::int64_t{threads} * vectors_in_flight;
   const std::int64_t cols = features / N;
@@ -222,9 +223,11 @@ cudaError_t launch_quant_blend(const T* x, const T* logits, const float* amax, T
   const int resident = limits.resident[N == 1 ? 0 : 1];
   const std::int64_t blocks =
       std::min<std::int64_t>(ceil_div(tokens * cols, tile), std::int64_t{limits.sms} * resident);
-  // Launched as a programmatic dependent of the kernel before it (the amax): it may start, and
-  // issue its loads of x and logits, while that kernel drains; it reads amax only after
-  // cudaGridDependencySynchronize(). After any other work the attribute changes nothing.
+  // Right after qbl's own amax kernel, launched as its programmatic dependent: it may start, and
+  // issue its loads of x and logits, while that kernel drains (the amax kernel only reads x and
+  // logits; amax itself is read after cudaGridDependencySynchronize()). After any other kernel
+  // -- the caller's, which may have written x or logits -- a plain launch: loads issued before
+  // the dependency synchronization are only ordered after a kernel that wrote nothing they read.
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
   config.blockDim = dim3(threads);
@@ -233,7 +236,7 @@ cudaError_t launch_quant_blend(const T* x, const T* logits, const float* amax, T
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = after_amax_kernel ? 1 : 0;
   QBL_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, quant_blend_kernel<T, threads, N>, x, logits,
                                               amax, mixed, tokens, features,
                                               cols_divider(cols, tile), scale));
@@ -255,16 +258,17 @@ cudaError_t launch_single_block(const T* x, const T* logits, T* mixed, std::int6
 template <typename T>
 cudaError_t quant_blend_with(const T* d_x, const T* d_logits, const float* d_amax, T* d_mixed,
                              std::int64_t tokens, std::int64_t features, float* d_scale,
-                             const LaunchLimits& limits, cudaStream_t stream) {
+                             const LaunchLimits& limits, cudaStream_t stream,
+                             bool after_amax_kernel = false) {
   QBL_CUDA_RETURN_IF_ERROR(check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
   if (d_amax == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
   if (rows_vectorizable(d_x, d_mixed, features)) {
     return launch_quant_blend<T, vec16<T>>(d_x, d_logits, d_amax, d_mixed, tokens, features,
-                                           d_scale, limits, stream);
+                                           d_scale, limits, stream, after_amax_kernel);
   }
   return launch_quant_blend<T, 1>(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, limits,
-                                  stream);
+                                  stream, after_amax_kernel);
 }
 
 /// qbl::amax_quant_blend with the device's limits given (QuantBlendLinear asks for them once).
@@ -283,8 +287,8 @@ cudaError_t amax_quant_blend_with(const T* d_x, const T* d_logits, T* d_mixed, s
                                            d_scale, stream);
   }
   QBL_CUDA_RETURN_IF_ERROR(amax_launch(d_x, tokens * features, d_amax, limits.sms, stream));
-  return quant_blend_with(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, limits,
-                          stream);
+  return quant_blend_with(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, limits, stream,
+                          true);
 }
 
 }  // namespace qbl::detail

@@ -90,6 +90,13 @@ QuantBlendLinear<T>::QuantBlendLinear(std::int64_t in_features, std::int64_t out
       e->reset(ev);
     }
   }
+  // A throw below leaves no memset queued on buffers that then go back to the allocator.
+  struct SyncOnThrow {
+    bool armed = true;
+    ~SyncOnThrow() {
+      if (armed) cudaStreamSynchronize(nullptr);
+    }
+  } sync_on_throw;
   // Zero the statistics and wait for it: a forward on any stream must never race this memset.
   QBL_CUDA_TRY(cudaMemsetAsync(stats_.get(), 0, stats_bytes, nullptr));
   // The backward's scratch too, once: every backward writes what it reads of them, but
@@ -98,6 +105,7 @@ QuantBlendLinear<T>::QuantBlendLinear(std::int64_t in_features, std::int64_t out
   for (detail::device_buffer* b : {&g_mixed_, &bias_scratch_, &side_workspace_})
     if (b->get() != nullptr) QBL_CUDA_TRY(cudaMemsetAsync(b->get(), 0, b->bytes(), nullptr));
   QBL_CUDA_TRY(cudaStreamSynchronize(nullptr));
+  sync_on_throw.armed = false;
 }
 
 template <typename T>
