@@ -522,6 +522,14 @@ TEST(QuantBlendLinearOptions, AllocatorServesEveryAllocationAndGetsItAllBack) {
     EXPECT_EQ(dry.live, 0u) << "failing allocation " << fail;
     EXPECT_EQ(dry.bad_frees, 0u);
   }
+
+  // Half an allocator (one function set) is refused before anything is allocated.
+  CountingAllocator half;
+  qbl::Options h = plain;
+  h.allocator = half.handle();
+  h.allocator.deallocate = nullptr;
+  EXPECT_THROW(Layer(in, out, tokens, h), qbl::invalid_argument);
+  EXPECT_EQ(half.calls, 0u);
 }
 
 // ---- graphs, concurrency, determinism -------------------------------------------------------
