@@ -71,6 +71,13 @@ def _backward(ctx, grad_out, _grad_mixed, _grad_stats):
 
 
 torch.library.register_autograd("qbl::forward", _backward, setup_context=_setup_context)
+
+
+def _local_amax_backward(ctx, grad_stats):
+    return None  # amax is detached in the module: no gradient reaches x through it
+
+
+torch.library.register_autograd("qbl::local_amax", _local_amax_backward)
 torch.library.register_autograd("qbl::forward_from_amax", _backward, setup_context=_setup_context)
 
 

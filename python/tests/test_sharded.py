@@ -73,7 +73,7 @@ def test_shards_equal_the_unsharded_layer(dtype, nan, axis):
                                    pytest.param(torch.bfloat16, id="bf16")])
 def test_opcheck_sharded_ops(dtype):
     x, l, w, b = H.make_inputs((3, 5), 32, 24, dtype, seed=320)
-    for op, args in ((torch.ops.qbl.local_amax.default, (x,)),
+    for op, args in ((torch.ops.qbl.local_amax.default, (x.detach().clone().requires_grad_(),)),
                      (torch.ops.qbl.forward_from_amax.default,
                       tuple(t.requires_grad_() for t in (x, l, w, b))
                       + (torch.ops.qbl.local_amax(x.detach()),))):
