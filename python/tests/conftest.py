@@ -23,8 +23,12 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)  # helpers.py and reference_model.py
+# helpers.py, and examples/pytorch/reference.py: the reference Model / ModelSTE, one copy for the
+# examples and the tests.
+EXAMPLES = os.path.normpath(os.path.join(HERE, "..", "..", "examples", "pytorch"))
+for path in (EXAMPLES, HERE):
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 REQUIRE_GPU = os.environ.get("QBL_REQUIRE_GPU") == "1"
 

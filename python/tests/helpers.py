@@ -1,7 +1,7 @@
 """Shared helpers of the qbl tests: imports that skip cleanly, input makers, the eager reference
 computed op by op, float64 references, bit-exact comparisons and the tolerance checks.
 
-The references here never use qbl: the eager forward is reference_model.py's arithmetic, op by op,
+The references here never use qbl: the eager forward is examples/pytorch/reference.py's arithmetic, op by op,
 in the tensors' dtype, and the float64 references are plain float64 products and sums.
 """
 
@@ -34,7 +34,7 @@ qbl = import_or_skip("qbl")
 
 import torch.nn.functional as F  # noqa: E402
 
-import reference_model  # noqa: E402
+import reference as reference_model  # noqa: E402
 
 # ---- dtypes and tolerances ------------------------------------------------------------------------
 

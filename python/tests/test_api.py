@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import qbl
-import reference_model
+import reference as reference_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_NEW = os.path.normpath(os.path.join(HERE, "..", "..", "examples", "pytorch", "model_new.py"))

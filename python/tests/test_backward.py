@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qbl
-import reference_model
+import reference as reference_model
 
 SHAPES = [
     pytest.param((2, 37), 96, 40, True, id="3d_96to40"),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qbl
-import reference_model
+import reference as reference_model
 
 # (lead dims of x, in_features, out_features, bias)
 SHAPES = [
