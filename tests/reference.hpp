@@ -5,6 +5,8 @@
 // sums whose order eager and qbl choose differently. Host-only; shared by every test of the layer.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -12,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -54,6 +57,15 @@ constexpr DType dtype_of() {
   return std::is_same_v<T, float> ? DType::fp32
                                   : (std::is_same_v<T, __half> ? DType::fp16 : DType::bf16);
 }
+
+/// The three element types for typed tests, each named by its dtype ("fp32", "bf16", "fp16").
+using AllTypes = ::testing::Types<float, __nv_bfloat16, __half>;
+struct AllTypeNames {
+  template <typename T>
+  static std::string GetName(int) {
+    return dtype_name(dtype_of<T>());
+  }
+};
 
 /// v rounded to the dtype's storage format (tf32 stores fp32).
 inline float ref_round(DType t, float v) {

@@ -47,14 +47,7 @@ std::vector<float> rand_t(DType t, std::size_t n, std::uint64_t seed, float stdd
 
 template <typename T>
 class BackwardElementMath : public ::testing::Test {};
-using AllTypes = ::testing::Types<float, __nv_bfloat16, __half>;
-struct AllTypeNames {
-  template <typename T>
-  static std::string GetName(int) {
-    return qbl_test::dtype_name(qbl_test::dtype_of<T>());
-  }
-};
-TYPED_TEST_SUITE(BackwardElementMath, AllTypes, AllTypeNames);
+TYPED_TEST_SUITE(BackwardElementMath, qbl_test::AllTypes, qbl_test::AllTypeNames);
 
 TYPED_TEST(BackwardElementMath, HostFunctionsMatchTheReference) {
   using T = TypeParam;

@@ -597,14 +597,7 @@ TEST(LayerBackwardOwnBuffers, NullMixedAndStatsUseTheLastForward) {
 
 template <typename T>
 class LayerBackwardNonFinite : public ::testing::Test {};
-using AllTypes = ::testing::Types<float, __nv_bfloat16, __half>;
-struct AllTypeNames {
-  template <typename T>
-  static std::string GetName(int) {
-    return qbl_test::dtype_name(qbl_test::dtype_of<T>());
-  }
-};
-TYPED_TEST_SUITE(LayerBackwardNonFinite, AllTypes, AllTypeNames);
+TYPED_TEST_SUITE(LayerBackwardNonFinite, qbl_test::AllTypes, qbl_test::AllTypeNames);
 
 bool all_nan(const std::vector<float>& v) {
   return !v.empty() && std::all_of(v.begin(), v.end(), [](float e) { return std::isnan(e); });

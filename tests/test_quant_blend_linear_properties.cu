@@ -176,14 +176,7 @@ using qbl_test::dtype_of;
 
 template <typename T>
 class NonFiniteTable : public ::testing::Test {};
-using AllTypes = ::testing::Types<float, __nv_bfloat16, __half>;
-struct AllTypeNames {
-  template <typename T>
-  static std::string GetName(int) {
-    return qbl_test::dtype_name(dtype_of<T>());
-  }
-};
-TYPED_TEST_SUITE(NonFiniteTable, AllTypes, AllTypeNames);
+TYPED_TEST_SUITE(NonFiniteTable, qbl_test::AllTypes, qbl_test::AllTypeNames);
 
 TYPED_TEST(NonFiniteTable, EachCaseGivesEagersAnswer) {
   QBL_REQUIRE_GPU();

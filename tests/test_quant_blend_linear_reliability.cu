@@ -194,14 +194,7 @@ TEST(QuantBlendLinearBadInput, WorkspaceThatCannotBeAllocatedIsOutOfMemory) {
 // the caller's mixed and stats) keep their poison.
 template <typename T>
 class QuantBlendLinearBadInputTyped : public ::testing::Test {};
-using AllTypes = ::testing::Types<float, __nv_bfloat16, __half>;
-struct AllTypeNames {
-  template <typename T>
-  static std::string GetName(int) {
-    return std::is_same_v<T, float> ? "fp32" : (std::is_same_v<T, __half> ? "fp16" : "bf16");
-  }
-};
-TYPED_TEST_SUITE(QuantBlendLinearBadInputTyped, AllTypes, AllTypeNames);
+TYPED_TEST_SUITE(QuantBlendLinearBadInputTyped, qbl_test::AllTypes, qbl_test::AllTypeNames);
 
 TYPED_TEST(QuantBlendLinearBadInputTyped, EveryCaseThrowsItsTypeAndWritesNothing) {
   QBL_REQUIRE_GPU();

@@ -36,14 +36,7 @@ cudaError_t max_bits(float* const* d_stats_list, int shards, cudaStream_t s) {
 
 template <typename T>
 class ShardedForward : public ::testing::Test {};
-using AllTypes = ::testing::Types<float, __nv_bfloat16, __half>;
-struct AllTypeNames {
-  template <typename T>
-  static std::string GetName(int) {
-    return qbl_test::dtype_name(qbl_test::dtype_of<T>());
-  }
-};
-TYPED_TEST_SUITE(ShardedForward, AllTypes, AllTypeNames);
+TYPED_TEST_SUITE(ShardedForward, qbl_test::AllTypes, qbl_test::AllTypeNames);
 
 // Host data of one problem in T: x [tokens, in], logits [tokens], weight [out, in], bias [out].
 template <typename T>
