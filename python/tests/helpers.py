@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -33,6 +34,14 @@ torch = import_or_skip("torch")
 qbl = import_or_skip("qbl")
 
 import torch.nn.functional as F  # noqa: E402
+
+# examples/pytorch/reference.py: the reference Model / ModelSTE, one copy for the examples and the
+# tests. Put on the path here, not only in conftest.py, so that a subprocess importing helpers
+# finds it too.
+_EXAMPLES = os.path.normpath(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "pytorch"))
+if _EXAMPLES not in sys.path:
+    sys.path.insert(0, _EXAMPLES)
 
 import reference as reference_model  # noqa: E402
 
