@@ -5,6 +5,8 @@
 // --dtypes, one process times, side by side on one non-default stream:
 //   forward      qbl::QuantBlendLinear<T>::forward (one object per shape and dtype,
 //                max_tokens = tokens)
+//   fwd_2pass    the same with Options::one_pass off: the prologue as memset + amax kernel +
+//                quant-blend kernel (x read twice)
 //   graph        the same forward captured once into a CUDA graph and replayed (launch-bound
 //                shapes only: tokens * D < 2^20)
 //   amax         qbl::amax alone
@@ -14,6 +16,8 @@
 //                forward runs the default: cuBLASLt's first-ranked algorithm, as bare_gemm does)
 //   bare_gemm    cuBLASLt set up here directly: TN, A/B/C/D in T, fp32 compute and scale,
 //                EPILOGUE_BIAS, top heuristic algorithm, 32 MiB workspace -- the "GEMM floor"
+//   bare_graph   the bare GEMM captured into a CUDA graph and replayed (launch-bound shapes only):
+//                the floor that the forward's graph replay is held to
 //   eager        an unfused chain that mirrors eager PyTorch kernel by kernel (abs, max,
 //                clamp_min, scale, div, round, clamp, mul, sigmoid, mul, rsub, mul, add), each
 //                step its own kernel and its own temporary, then the same bare GEMM
@@ -161,6 +165,9 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
   qbl::Options options;
   options.allow_tf32 = tf32;
   qbl::QuantBlendLinear<T> layer(d, d, tokens, options);
+  qbl::Options two_pass_options = options;
+  two_pass_options.one_pass = false;
+  qbl::QuantBlendLinear<T> layer_2pass(d, d, tokens, two_pass_options);
   // The `gemm` item is the autotuned LinearGemm: gemm/bare is what Options::autotune gains over
   // cuBLASLt's first choice (which the default forward and the bare GEMM both run).
   qbl::Options tuned = options;
@@ -253,6 +260,29 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     std::printf("  %-4s graph: %zu instantiated, replay of set 0 bit-equal to forward: %s\n", dt,
                 g_count, row.graph_bit_equal ? "yes" : "no");
   }
+  // The bare GEMM as one graph (its operands never rotate).
+  cudaGraphExec_t bare_graph = nullptr;
+  if (args.graph && n < launch_bound_elements) {
+    cudaGraph_t g = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    bare.run(mixed_ready.as<T>(), out_scratch.as<T>(), stream);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+    CUDA_CHECK(cudaGraphInstantiate(&bare_graph, g, 0));
+    CUDA_CHECK(cudaGraphDestroy(g));
+    CUDA_CHECK(cudaGraphUpload(bare_graph, stream));
+  }
+  // The two-pass forward must give the one-pass forward's bits.
+  layer_2pass.forward(inputs.x_of(0), inputs.logits_of(0), w.as<T>(), bias.as<T>(),
+                      out_scratch.as<T>(), tokens, stream);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  {
+    std::vector<T> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n));
+    CUDA_CHECK(cudaMemcpy(a.data(), layer.device_mixed(), x_bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(b.data(), layer_2pass.device_mixed(), x_bytes, cudaMemcpyDeviceToHost));
+    row.two_pass_bit_equal = std::memcmp(a.data(), b.data(), x_bytes) == 0;
+    std::printf("  %-4s two-pass forward's mixed bit-equal to the one-pass forward's: %s\n", dt,
+                row.two_pass_bit_equal ? "yes" : "no");
+  }
 
   // ---- the training items (bench_train.cuh): the layer built for training, checked, graphs ----
   std::unique_ptr<TrainBench<T>> train;
@@ -315,6 +345,14 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     const auto k = static_cast<std::size_t>(i);
     chain.run(inputs.x_of(k), inputs.logits_of(k), out_chain.as<T>(), stream);
   });
+  const std::size_t first_extra = runs.size();
+  runs.push_back([&](int i) {
+    const auto k = static_cast<std::size_t>(i);
+    layer_2pass.forward(inputs.x_of(k), inputs.logits_of(k), w.as<T>(), bias.as<T>(),
+                        out_scratch.as<T>(), tokens, stream);
+  });
+  if (bare_graph != nullptr)
+    runs.push_back([&](int) { CUDA_CHECK(cudaGraphLaunch(bare_graph, stream)); });
   if (train) train->add_items(runs);  // train, [train_graph], bare_dgrad, bare_wgrad
   // --gemm-probe: the bare GEMM planned as qbl::LinearGemm plans it, one difference at a time, and
   // the layer's own first-ranked GEMM, on the same operands and timed with the rest.
@@ -343,6 +381,11 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     row.t[ids[k]] = timed[k];
     report(dt, ids[k], timed[k]);
   }
+  row.fwd_2pass = timed[first_extra];
+  if (bare_graph != nullptr) row.bare_graph = timed[first_extra + 1];
+  std::printf(
+      "  %-4s fwd_2pass  %.4f ms%s\n", dt, row.fwd_2pass.median_ms,
+      bare_graph != nullptr ? fmt(", bare_graph %.4f ms", row.bare_graph.median_ms).c_str() : "");
   if (train) train->collect(timed, dt, row.train);
   if (args.gemm_probe) {
     std::printf("  %-4s probe bare default          %.4f ms  %s\n", dt, row.ms(bare_gemm_item),
@@ -357,6 +400,7 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
 
   CUDA_CHECK(cudaStreamSynchronize(stream));
   for (cudaGraphExec_t g : graphs) CUDA_CHECK(cudaGraphExecDestroy(g));  // before `layer` goes
+  if (bare_graph != nullptr) CUDA_CHECK(cudaGraphExecDestroy(bare_graph));
   std::printf(
       "  %-4s copy %.0f GB/s, floor %.4f ms, forward/floor %.3f, eager/forward %.2f; device memory "
       "held by the harness %.2f GiB\n",

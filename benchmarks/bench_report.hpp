@@ -79,7 +79,11 @@ inline void write_csv(const std::string& path, const GpuInfo& gpu, const std::ve
                ",train_floor_ms,train_over_floor,train_graph_over_floor,bare_wgrad_bgradb,"
                "train_check_ok,train_unwritten,train_nonfinite,train_mixed_bit_equal,"
                "train_grad_x_rel_diff,train_grad_weight_rel_diff,train_grad_bias_rel_diff,"
-               "train_graph_bit_equal,bare_dgrad_algo,bare_wgrad_algo\n");
+               "train_graph_bit_equal,bare_dgrad_algo,bare_wgrad_algo");
+  std::fprintf(f,
+               ",fwd_2pass_ms,fwd_2pass_min_ms,fwd_2pass_runs,fwd_2pass_over_floor,"
+               "two_pass_bit_equal,bare_graph_ms,bare_graph_min_ms,bare_graph_runs,"
+               "graph_over_bare_graph\n");
   for (const Row& r : rows) {
     std::fprintf(f, "\"%s\",%d,%d,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%s,%" PRId64 ",%d,%d",
                  gpu.name.c_str(), gpu.sms, gpu.l2_bytes, version_string(gpu.driver).c_str(),
@@ -121,8 +125,19 @@ inline void write_csv(const std::string& path, const GpuInfo& gpu, const std::ve
           tr.graph_bit_equal < 0 ? "" : std::to_string(tr.graph_bit_equal).c_str(),
           tr.dgrad_algo.c_str(), tr.wgrad_algo.c_str());
     } else {
-      std::fprintf(f, ",,,,,,,,,,,,,,\n");  // the 14 columns after the items' times
+      std::fprintf(f, ",,,,,,,,,,,,,,");  // the 14 columns after the items' times
     }
+    for (const Timing* t : {&r.fwd_2pass, &r.bare_graph}) {
+      if (t->valid()) {
+        std::fprintf(f, ",%.6g,%.6g,%d", t->median_ms, t->min_ms, t->runs);
+      } else {
+        std::fprintf(f, ",,,");
+      }
+      if (t == &r.fwd_2pass)
+        std::fprintf(f, ",%s,%d", fmt("%.6g", r.fwd_2pass_over_floor()).c_str(),
+                     r.two_pass_bit_equal);
+    }
+    std::fprintf(f, ",%s\n", fmt("%.6g", r.graph_over_bare_graph()).c_str());
   }
   std::fclose(f);
   std::printf("wrote %s\n", path.c_str());
@@ -152,6 +167,10 @@ const Column columns[] = {
     {"copy GB/s", [](const Row& r) { return fmt("%.0f", r.copy_gbps()); }},
     {"floor ms", [](const Row& r) { return fmt("%.4f", r.floor_ms()); }},
     {"fwd/floor", [](const Row& r) { return fmt("%.3f", r.over_floor(forward_item)); }},
+    {"2pass ms", [](const Row& r) { return fmt("%.4f", r.fwd_2pass.median_ms); }},
+    {"2pass/floor", [](const Row& r) { return fmt("%.3f", r.fwd_2pass_over_floor()); }},
+    {"bgraph ms", [](const Row& r) { return fmt("%.4f", r.bare_graph.median_ms); }},
+    {"graph/bgraph", [](const Row& r) { return fmt("%.3f", r.graph_over_bare_graph()); }},
     {"prol GB/s", [](const Row& r) { return fmt("%.0f", r.prologue_gbps()); }},
     {"prol/copy", [](const Row& r) { return fmt("%.3f", r.prologue_gbps() / r.copy_gbps()); }},
     {"amax GB/s", [](const Row& r) { return fmt("%.0f", r.amax_gbps()); }},

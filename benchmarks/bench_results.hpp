@@ -81,6 +81,10 @@ struct Row {
   int graph_bit_equal = -1;  // -1: no graph
   std::string bare_algo;
   TrainRow train;  // the training items (bench_train.cuh); untimed with --no-train
+  // Timed with the rest; their CSV columns come after the training items'.
+  Timing fwd_2pass;   // the forward with Options::one_pass off
+  Timing bare_graph;  // the bare GEMM replayed from a graph (launch-bound shapes)
+  bool two_pass_bit_equal = false;
 
   double n() const { return static_cast<double>(tokens) * static_cast<double>(shape.d); }
   double ms(Item i) const { return t[i].median_ms; }
@@ -89,6 +93,14 @@ struct Row {
     return ms(bare_gemm_item) + 2.0 * n() * elem_bytes / (copy_gbps() * 1e9) * 1e3;
   }
   double over_floor(Item i) const { return t[i].valid() ? ms(i) / floor_ms() : NAN; }
+  double fwd_2pass_over_floor() const {
+    return fwd_2pass.valid() ? fwd_2pass.median_ms / floor_ms() : NAN;
+  }
+  // Launch-bound shapes: the forward's graph replay over the bare GEMM's.
+  double graph_over_bare_graph() const {
+    return t[graph_item].valid() && bare_graph.valid() ? ms(graph_item) / bare_graph.median_ms
+                                                       : NAN;
+  }
   // The forward's floor + bare dgrad + bare wgrad (with BGRADB) + reading g_mixed and x and
   // writing grad_x once at copy bandwidth.
   double train_floor_ms() const {

@@ -33,10 +33,10 @@ TEST(QuantBlendLinear, WorkspaceBytesCountsEveryBuffer) {
   qbl::Options o;
   o.cublas_workspace_bytes = 1000;
   EXPECT_EQ(Layer::workspace_bytes(64, 8, 10, o),
-            2 * sizeof(float) + 64 * 10 * sizeof(float) + 1000);
+            2 * sizeof(float) + 16 + 64 * 10 * sizeof(float) + 1000);
   o.backward = true;
   EXPECT_EQ(Layer::workspace_bytes(64, 8, 10, o),
-            2 * sizeof(float) + 2 * 64 * 10 * sizeof(float) + 8 * sizeof(float) + 2 * 1000);
+            2 * sizeof(float) + 16 + 2 * 64 * 10 * sizeof(float) + 8 * sizeof(float) + 2 * 1000);
   EXPECT_EQ(qbl::Options{}.cublas_workspace_bytes, std::size_t{32} << 20);
   EXPECT_FALSE(qbl::Options{}.allow_tf32);
 }

@@ -387,9 +387,9 @@ TEST(QuantBlendLinearOptions, ZeroCublasWorkspaceStillComputesEverything) {
     o.backward = true;
     o.cublas_workspace_bytes = workspace;
     Layer layer(in, out, tokens, o);
-    EXPECT_EQ(
-        Layer::workspace_bytes(in, out, tokens, o),
-        2 * sizeof(float) + 2 * tokens * in * sizeof(float) + out * sizeof(float) + 2 * workspace);
+    EXPECT_EQ(Layer::workspace_bytes(in, out, tokens, o), 2 * sizeof(float) + 16 +
+                                                              2 * tokens * in * sizeof(float) +
+                                                              out * sizeof(float) + 2 * workspace);
     Layer::Gradients g;
     g.x = gx.get(), g.logits = gl.get(), g.weight = gw.get(), g.bias = gb.get();
     for (auto* a : {&io.y, &gx, &gl, &gw, &gb})

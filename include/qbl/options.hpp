@@ -55,6 +55,14 @@ struct Options {
   /// instance plans and allocates nothing for the backward, and backward() throws.
   bool backward = false;
 
+  /// The forward's prologue (amax, then quant-blend) as one cooperative launch that reads x once
+  /// where x fits in the chip's registers and shared memory (about 35 MB on an H200), and reads
+  /// only the rest twice where it does not. Off: the two-pass prologue of qbl::amax_quant_blend
+  /// (a memset, the amax kernel, the quant-blend kernel; x read twice). Both give the same bits.
+  /// The cooperative launch needs every block of its grid resident at once; where the device
+  /// refuses such a grid, the forward runs the two-pass prologue instead.
+  bool one_pass = true;
+
   /// Device memory of the instance and of its planning (default: cudaMalloc / cudaFree).
   DeviceAllocator allocator;
 };

@@ -33,6 +33,7 @@
 
 #include <qbl/detail/handles.hpp>
 #include <qbl/detail/linear_fallback.cuh>
+#include <qbl/detail/quant_blend_one_pass.cuh>
 #include <qbl/error.hpp>
 #include <qbl/gemm.hpp>
 #include <qbl/options.hpp>
@@ -228,6 +229,13 @@ class QuantBlendLinear {
 
  private:
   static constexpr std::size_t stats_bytes = stats_floats * sizeof(float);
+  // The instance's statistics, then the one-pass prologue's state, in one buffer.
+  static constexpr std::size_t state_bytes = stats_bytes + sizeof(detail::OnePassState);
+  detail::OnePassState* one_pass_state() const noexcept {
+    return options_.one_pass
+               ? reinterpret_cast<detail::OnePassState*>(stats_.as<unsigned char>() + stats_bytes)
+               : nullptr;
+  }
 
   void check_forward(const T* x, const T* logits, const T* weight, const T* bias, const T* out,
                      std::int64_t tokens) const;
@@ -241,8 +249,9 @@ class QuantBlendLinear {
   std::int64_t in_ = 0, out_ = 0, max_tokens_ = 0;
   Options options_;
   int device_ = 0;
-  detail::LaunchLimits limits_;  // of device_, for T
-  detail::device_buffer stats_;  // [amax, scale]
+  detail::LaunchLimits limits_;     // of device_, for T
+  detail::OnePassLimits one_pass_;  // of device_, for T (Options::one_pass)
+  detail::device_buffer stats_;     // [amax, scale]
   detail::device_buffer mixed_;
   detail::device_buffer cublas_workspace_;
   LinearGemm<T> gemm_;

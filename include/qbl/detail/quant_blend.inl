@@ -50,6 +50,59 @@ struct GateTable {
   typename Math::Gate gate[THREADS * U + 1];
 };
 
+/// Where tiles of `tile` consecutive vectors lie in rows of `cols` vectors.
+struct TileRows {
+  std::int64_t cols, tile;
+  FastDiv cols_div;  ///< cols_divider(cols, tile)
+
+  /// A tile: its first row, the offset of its first vector in that row, the rows it touches.
+  struct Span {
+    std::int64_t row, offset;
+    std::uint32_t rows;
+  };
+
+  /// The row, counted from the tile's first, of the vector at `o` = offset + index in the tile.
+  /// Rows shorter than a tile: a small quotient (cols_div); otherwise a tile spans at most two.
+  __device__ __forceinline__ std::uint32_t row_in_tile(std::int64_t o) const {
+    return cols < tile ? cols_div(static_cast<std::uint32_t>(o)) : (o >= cols ? 1u : 0u);
+  }
+  /// Rows touched by a tile starting at `offset` in its row with `remaining` vectors left in x.
+  __device__ __forceinline__ std::uint32_t rows_from(std::int64_t offset,
+                                                     std::int64_t remaining) const {
+    return row_in_tile(offset + (remaining < tile ? remaining : tile) - 1) + 1;
+  }
+  /// The tile starting at vector `base` < total.
+  __device__ __forceinline__ Span span(std::int64_t base, std::int64_t total) const {
+    const std::int64_t row = base / cols, offset = base - row * cols;
+    return {row, offset, rows_from(offset, total - base)};
+  }
+};
+
+/// The gates of a tile's rows into table.gate[0, rows), by the block's `threads` threads (the
+/// caller synchronizes the block before they are read).
+template <typename Math, typename T, typename Table>
+__device__ __forceinline__ void fill_gates(const T* __restrict__ logits, TileRows::Span span,
+                                           Table& table, int threads) {
+  for (std::uint32_t r = threadIdx.x; r < span.rows; r += threads)
+    table.gate[r] = Math::gate(logits[span.row + r]);
+}
+
+/// mixed for this thread's vectors of the tile at `base` (thread, then every THREADS-th), from
+/// their x values `in` and the tile's gates.
+template <typename Math, int THREADS, int U, typename V, typename Table>
+__device__ __forceinline__ void blend_tile(const Math& math, const V (&in)[U], V* __restrict__ mv,
+                                           std::int64_t base, std::int64_t total,
+                                           TileRows::Span span, const Table& table,
+                                           const TileRows& rows_of) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const std::int64_t g = base + threadIdx.x + u * THREADS;
+    if (g < total)
+      mv[g] = math.apply(in[u],
+                         table.gate[rows_of.row_in_tile(span.offset + threadIdx.x + u * THREADS)]);
+  }
+}
+
 /// mixed for the rows [0, tokens), shared out over `blocks` blocks of THREADS threads.
 ///
 /// The rows are one flat run of `features / N` vectors each, cut into tiles of THREADS * U
@@ -67,9 +120,7 @@ __device__ __forceinline__ void quant_blend_tiles(
   constexpr std::int64_t tile = std::int64_t{THREADS} * U;
   const std::int64_t cols = features / N;
   const std::int64_t total = tokens * cols;
-  // Rows shorter than a tile: a vector's row within the tile is a small quotient (cols_div);
-  // otherwise a tile spans at most two rows.
-  const bool short_rows = cols < tile;
+  const TileRows rows_of{cols, tile, cols_div};
   std::int64_t base = static_cast<std::int64_t>(block) * tile;
   if (base >= total) return;
   std::int64_t row = base / cols, offset = base - row * cols;  // the tile's first vector
@@ -77,34 +128,23 @@ __device__ __forceinline__ void quant_blend_tiles(
   const std::int64_t step_rows = step / cols, step_offset = step - step_rows * cols;
   const auto* xv = reinterpret_cast<const Vec<T, N>*>(x);
   auto* mv = reinterpret_cast<Vec<T, N>*>(mixed);
-  const unsigned thread = threadIdx.x;
-  auto row_in_tile = [&](std::int64_t o) -> std::uint32_t {
-    return short_rows ? cols_div(static_cast<std::uint32_t>(o)) : (o >= cols ? 1u : 0u);
-  };
   Math math;
   bool have_scale = false;
   for (; base < total; base += step) {
     Vec<T, N> in[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const std::int64_t g = base + thread + u * THREADS;
+      const std::int64_t g = base + threadIdx.x + u * THREADS;
       if (g < total) in[u] = xv[g];
     }
-    const std::int64_t last = (total - base < tile ? total - base : tile) - 1;
-    const std::uint32_t rows = row_in_tile(offset + last) + 1;
-    for (std::uint32_t r = thread; r < rows; r += THREADS)
-      table.gate[r] = Math::gate(logits[row + r]);
+    const TileRows::Span span{row, offset, rows_of.rows_from(offset, total - base)};
+    fill_gates<Math>(logits, span, table, THREADS);
     __syncthreads();
     if (!have_scale) {
       math.set_scale(get_scale());
       have_scale = true;
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const std::int64_t g = base + thread + u * THREADS;
-      if (g < total)
-        mv[g] = math.apply(in[u], table.gate[row_in_tile(offset + thread + u * THREADS)]);
-    }
+    blend_tile<Math, THREADS, U>(math, in, mv, base, total, span, table, rows_of);
     __syncthreads();  // the next tile's gates overwrite this one's
     row += step_rows;
     offset += step_offset;

@@ -55,7 +55,7 @@ std::size_t QuantBlendLinear<T>::workspace_bytes(std::int64_t in_features,
   const std::size_t rows = detail::checked_bytes(max_tokens, in_features, sizeof(T));
   const std::size_t backward =
       rows + detail::checked_bytes(out_features, 1, sizeof(T)) + options.cublas_workspace_bytes;
-  return stats_bytes + rows + options.cublas_workspace_bytes + (options.backward ? backward : 0);
+  return state_bytes + rows + options.cublas_workspace_bytes + (options.backward ? backward : 0);
 }
 
 template <typename T>
@@ -66,11 +66,12 @@ QuantBlendLinear<T>::QuantBlendLinear(std::int64_t in_features, std::int64_t out
       max_tokens_(max_tokens),
       options_(options),
       device_(detail::validated_device(in_features, out_features, max_tokens, sizeof(T))),
-      stats_(stats_bytes, options.allocator),
+      stats_(state_bytes, options.allocator),
       mixed_(detail::checked_bytes(max_tokens, in_features, sizeof(T)), options.allocator),
       cublas_workspace_(options.cublas_workspace_bytes, options.allocator),
       gemm_(in_features, out_features, max_tokens, options) {
   QBL_CUDA_TRY(detail::launch_limits<T>(&limits_));
+  if (options.one_pass) QBL_CUDA_TRY(detail::one_pass_limits<T>(&one_pass_));
   if (options.backward) {
     dgrad_ =
         std::make_unique<GemmPlan<T>>(GemmSpec::linear_dgrad(in_, out_), max_tokens_, options_);
@@ -97,8 +98,9 @@ QuantBlendLinear<T>::QuantBlendLinear(std::int64_t in_features, std::int64_t out
       if (armed) cudaStreamSynchronize(nullptr);
     }
   } sync_on_throw;
-  // Zero the statistics and wait for it: a forward on any stream must never race this memset.
-  QBL_CUDA_TRY(cudaMemsetAsync(stats_.get(), 0, stats_bytes, nullptr));
+  // Zero the statistics and the one-pass state, and wait for it: a forward on any stream must
+  // never race this memset.
+  QBL_CUDA_TRY(cudaMemsetAsync(stats_.get(), 0, state_bytes, nullptr));
   // The backward's scratch too, once: every backward writes what it reads of them, but
   // compute-sanitizer's initcheck does not see the writes of cuBLASLt's bf16/fp16 kernels, and
   // would report the element kernel's reads of a fresh g_mixed scratch that dgrad filled.
@@ -140,8 +142,8 @@ void QuantBlendLinear<T>::run_forward(const T* x, const T* logits, const T* weig
         detail::quant_blend_with(x, logits, stats, mixed, tokens, in_, stats + 1, limits_, stream));
   } else {
     const detail::NvtxRange range("qbl prologue (amax + quant_blend)");
-    QBL_CUDA_TRY(detail::amax_quant_blend_with(x, logits, mixed, tokens, in_, stats, stats + 1,
-                                               limits_, stream));
+    QBL_CUDA_TRY(detail::amax_quant_blend_layer(x, logits, mixed, tokens, in_, stats,
+                                                one_pass_state(), one_pass_, limits_, stream));
   }
   const detail::NvtxRange range("qbl gemm");
   if (gemm_.supports(mixed, weight, bias, out, tokens)) {
