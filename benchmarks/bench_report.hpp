@@ -83,7 +83,7 @@ inline void write_csv(const std::string& path, const GpuInfo& gpu, const std::ve
   std::fprintf(f,
                ",fwd_2pass_ms,fwd_2pass_min_ms,fwd_2pass_runs,fwd_2pass_over_floor,"
                "two_pass_bit_equal,bare_graph_ms,bare_graph_min_ms,bare_graph_runs,"
-               "graph_over_bare_graph\n");
+               "graph_over_bare_graph,graph_2pass_ms,graph_2pass_min_ms,graph_2pass_runs\n");
   for (const Row& r : rows) {
     std::fprintf(f, "\"%s\",%d,%d,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%s,%" PRId64 ",%d,%d",
                  gpu.name.c_str(), gpu.sms, gpu.l2_bytes, version_string(gpu.driver).c_str(),
@@ -137,7 +137,13 @@ inline void write_csv(const std::string& path, const GpuInfo& gpu, const std::ve
         std::fprintf(f, ",%s,%d", fmt("%.6g", r.fwd_2pass_over_floor()).c_str(),
                      r.two_pass_bit_equal);
     }
-    std::fprintf(f, ",%s\n", fmt("%.6g", r.graph_over_bare_graph()).c_str());
+    std::fprintf(f, ",%s", fmt("%.6g", r.graph_over_bare_graph()).c_str());
+    if (r.graph_2pass.valid()) {
+      std::fprintf(f, ",%.6g,%.6g,%d\n", r.graph_2pass.median_ms, r.graph_2pass.min_ms,
+                   r.graph_2pass.runs);
+    } else {
+      std::fprintf(f, ",,,\n");
+    }
   }
   std::fclose(f);
   std::printf("wrote %s\n", path.c_str());
@@ -171,6 +177,7 @@ const Column columns[] = {
     {"2pass/floor", [](const Row& r) { return fmt("%.3f", r.fwd_2pass_over_floor()); }},
     {"bgraph ms", [](const Row& r) { return fmt("%.4f", r.bare_graph.median_ms); }},
     {"graph/bgraph", [](const Row& r) { return fmt("%.3f", r.graph_over_bare_graph()); }},
+    {"g2pass ms", [](const Row& r) { return fmt("%.4f", r.graph_2pass.median_ms); }},
     {"prol GB/s", [](const Row& r) { return fmt("%.0f", r.prologue_gbps()); }},
     {"prol/copy", [](const Row& r) { return fmt("%.3f", r.prologue_gbps() / r.copy_gbps()); }},
     {"amax GB/s", [](const Row& r) { return fmt("%.0f", r.amax_gbps()); }},

@@ -82,8 +82,9 @@ struct Row {
   std::string bare_algo;
   TrainRow train;  // the training items (bench_train.cuh); untimed with --no-train
   // Timed with the rest; their CSV columns come after the training items'.
-  Timing fwd_2pass;   // the forward with Options::one_pass off
-  Timing bare_graph;  // the bare GEMM replayed from a graph (launch-bound shapes)
+  Timing fwd_2pass;    // the forward with Options::one_pass off
+  Timing bare_graph;   // the bare GEMM replayed from a graph
+  Timing graph_2pass;  // the two-pass forward replayed from graphs
   bool two_pass_bit_equal = false;
 
   double n() const { return static_cast<double>(tokens) * static_cast<double>(shape.d); }

@@ -1,6 +1,7 @@
 // The layer's one-pass prologue (qbl/detail/quant_blend_one_pass.cuh): its plan's arithmetic on
 // the CPU; on the GPU, each side of every threshold of the plan (the single-block path, all tiles
-// held in registers, tiles held in shared memory, tiles read twice) against the CPU reference bit
+// held in registers, tiles held in shared memory, x larger than the chip holds, which takes the
+// two-pass prologue) against the CPU reference bit
 // for bit, in fp32, bf16 and fp16, vectorized and element-wise; repeated launches (the
 // accumulator's reset), non-finite x, a refused launch falling back, SMs taken by another
 // stream's kernel, graph replay, and the layer with and without Options::one_pass.
@@ -57,21 +58,19 @@ TEST(OnePassPlan, FewestHeldTilesThatHoldEverything) {
   EXPECT_EQ(plan(13).held, 3);
   EXPECT_EQ(plan(16).blocks, 4);
   EXPECT_EQ(plan(16).held, 3);
-  // More than any grid holds: the grid that holds most among those with >= 2 blocks per
-  // multiprocessor (three held: 16 tiles), the rest read twice.
-  EXPECT_EQ(plan(17).blocks, 4);
-  EXPECT_EQ(plan(17).held, 3);
-  EXPECT_EQ(plan(1000).blocks, 4);
+  // More than any grid holds: no one-pass plan (the two-pass prologue runs).
+  EXPECT_EQ(plan(17).blocks, 0);
+  EXPECT_EQ(plan(1000).blocks, 0);
 }
 
 TEST(OnePassPlan, NothingWhereNoGridFits) {
   EXPECT_EQ(plan_one_pass(5, 2, OnePassResidency{}).blocks, 0);
   EXPECT_EQ(plan_one_pass(5, 0, residency({4})).blocks, 0);
-  // One block per multiprocessor at most: it may hold x, but too few blocks to stream the rest.
-  const OnePassResidency one = residency({1, 1});
-  EXPECT_EQ(plan_one_pass(4, 2, one).blocks, 2);
-  EXPECT_EQ(plan_one_pass(4, 2, one).held, 1);
-  EXPECT_EQ(plan_one_pass(5, 2, one).blocks, 0);
+  // A residency of 0 blocks at some held counts (too much shared memory) is skipped.
+  const OnePassResidency gap = residency({1, 0, 1});
+  EXPECT_EQ(plan_one_pass(4, 2, gap).blocks, 2);
+  EXPECT_EQ(plan_one_pass(4, 2, gap).held, 2);
+  EXPECT_EQ(plan_one_pass(7, 2, gap).blocks, 0);
 }
 
 TEST(OnePassPlan, EveryBlockHasATileAndHoldsWhatItMust) {
@@ -82,15 +81,14 @@ TEST(OnePassPlan, EveryBlockHasATileAndHoldsWhatItMust) {
     capacity = std::max<std::int64_t>(capacity, std::int64_t{sms} * r.blocks[h] * (h + 1));
   for (std::int64_t tiles = 1; tiles <= 3 * capacity; ++tiles) {
     const OnePassPlan p = plan_one_pass(tiles, sms, r);
+    if (tiles > capacity) {
+      EXPECT_EQ(p.blocks, 0) << tiles;
+      continue;
+    }
     ASSERT_GT(p.blocks, 0) << tiles;
     ASSERT_LE(p.blocks, tiles) << tiles;
     ASSERT_LE(p.blocks, std::int64_t{sms} * r.blocks[p.held]) << tiles;  // co-resident
-    const std::int64_t per_block = (tiles + p.blocks - 1) / p.blocks;
-    if (tiles <= capacity) {
-      EXPECT_LE(per_block, p.held + 1) << tiles;  // x read once
-    } else {
-      EXPECT_GE(r.blocks[p.held], qbl::detail::one_pass_min_streaming_blocks) << tiles;
-    }
+    EXPECT_LE((tiles + p.blocks - 1) / p.blocks, p.held + 1) << tiles;   // every tile held
   }
 }
 
@@ -244,8 +242,8 @@ TYPED_TEST(OnePass, EveryThresholdOfThePlanMatchesTheReference) {
       {4 * registers_only, true, "every tile in registers, full grid"},
       {4 * registers_only + 1, true, "one row more: a tile held in shared memory"},
       {4 * capacity, true, "all the chip holds"},
-      {4 * capacity + 3, true, "a partial tile more: read twice"},
-      {8 * capacity + 1, true, "twice what it holds"},
+      {4 * capacity + 3, false, "a partial tile more: the two-pass prologue"},
+      {8 * capacity + 1, false, "twice what it holds"},
   };
   for (const Size& s : sizes) {
     const OnePassPlan p =
@@ -269,10 +267,15 @@ TYPED_TEST(OnePass, ElementWiseKernelOddRowsAndMisalignedX) {
   const OnePassResidency& r = dev.one_pass.residency[0];
   const std::int64_t registers_only = std::int64_t{dev.one_pass.sms} * r.blocks[0] * tile;
   const std::int64_t all = dev.capacity(false) * tile;
-  const std::pair<std::int64_t, std::int64_t> shapes[] = {
-      {4099, 40000},      {7, 40000},         {1023, registers_only}, {7, registers_only + tile},
-      {1023, all - tile}, {7, all + 5 * tile}};
-  for (auto [features, elements] : shapes) {
+  struct Shape {
+    std::int64_t features, elements;
+    bool one_pass;
+  };
+  const Shape shapes[] = {{4099, 40000, true},          {7, 40000, true},
+                          {1023, registers_only, true}, {7, registers_only + tile, true},
+                          {1023, all - 2 * 1023, true}, {7, all + 5 * tile, false}};
+  for (const Shape& sh : shapes) {
+    const std::int64_t features = sh.features, elements = sh.elements;
     {
       for (std::size_t offset : {std::size_t{0}, std::size_t{1}}) {
         const std::int64_t tokens = (elements + features - 1) / features;
@@ -280,7 +283,7 @@ TYPED_TEST(OnePass, ElementWiseKernelOddRowsAndMisalignedX) {
                      " offset " + std::to_string(offset));
         PrologueRun<T> run{tokens, features, offset};
         run.seed = seed + static_cast<std::uint64_t>(elements + features);
-        EXPECT_TRUE(Runner().run(run, dev.one_pass, dev.state.get(), dev.two_pass));
+        EXPECT_EQ(Runner().run(run, dev.one_pass, dev.state.get(), dev.two_pass), sh.one_pass);
       }
     }
   }
@@ -292,7 +295,8 @@ TYPED_TEST(OnePass, EachLaunchStartsFromAZeroedAccumulator) {
   Device<T> dev;
   const std::int64_t features = 1024;
   // Decreasing amax: an accumulator left over from the launch before would show as a larger one.
-  for (std::int64_t tokens : {std::int64_t{300}, 4 * dev.capacity(true)}) {
+  for (std::int64_t tokens :
+       {std::int64_t{300}, Device<T>::tile_elements(true) / features * dev.capacity(true)}) {
     for (float s : {8.0f, 4.0f, 1.0f, 0.25f, 0.0f, 2.0f}) {
       SCOPED_TRACE("tokens " + std::to_string(tokens) + ", x scaled by " + std::to_string(s));
       PrologueRun<T> run{tokens, features};
@@ -309,10 +313,11 @@ TYPED_TEST(OnePass, NonFiniteX) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
   const std::int64_t features = 1024;
-  for (std::int64_t tokens : {std::int64_t{300}, 4 * dev.capacity(true) + 64}) {
+  for (std::int64_t tokens :
+       {std::int64_t{300}, Device<T>::tile_elements(true) / features * dev.capacity(true)}) {
     const auto n = static_cast<std::size_t>(tokens * features);
-    // NaN first in x (a held tile), NaN last (read twice where the input is larger than the
-    // chip holds), -Inf with and without NaN.
+    // NaN first in x (the first block's registers), NaN last (the last tile, in shared memory when
+    // the grid is full), -Inf with and without NaN.
     for (const auto& edits : std::vector<std::vector<std::pair<std::size_t, float>>>{
              {{0, nan}}, {{n - 1, nan}}, {{n / 2, -inf}}, {{3, inf}, {n - 2, nan}}}) {
       SCOPED_TRACE("tokens " + std::to_string(tokens) + ", first edit at " +
@@ -395,7 +400,7 @@ TYPED_TEST(OnePass, WaitsForMultiprocessorsTakenByAnotherStream) {
   QBL_ASSERT_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, occupy, 1024, 0));
   occupy<<<static_cast<unsigned>(dev.one_pass.sms * per_sm), 1024, 0, busy>>>(20'000'000);
   QBL_ASSERT_CUDA(cudaGetLastError());
-  PrologueRun<T> run{4 * dev.capacity(true) / 2, 1024};
+  PrologueRun<T> run{Device<T>::tile_elements(true) / 1024 * dev.capacity(true) / 2, 1024};
   EXPECT_TRUE(Runner(work).run(run, dev.one_pass, dev.state.get(), dev.two_pass));
   QBL_ASSERT_CUDA(cudaStreamSynchronize(busy));
   cudaStreamDestroy(busy);

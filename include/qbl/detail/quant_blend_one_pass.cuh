@@ -3,14 +3,14 @@
 // One persistent grid of co-resident blocks. Tile t (THREADS * U consecutive vectors of the flat
 // run of rows, as in quant_blend_tiles) belongs to block t mod blocks, as its k-th tile,
 // k = t div blocks:
-//   phase 1  every block loads its tiles and reduces max |x| over them, keeping tile 0 in
-//            registers and tiles 1..held in shared memory; the tiles past those it reads for the
-//            max only. It also works out tile 0's gates. The block's max goes to one atomicMax.
+//   phase 1  every block loads all its tiles at once -- tile 0 into registers, tiles 1..held into
+//            shared memory by asynchronous copies (cp.async) -- and reduces max |x| over them.
+//            It also works out tile 0's gates. The block's max goes to one atomicMax.
 //   barrier  one grid-wide barrier (cooperative groups): after it the amax is complete.
-//   phase 2  every block blends the tiles it holds and writes `mixed`; the tiles it did not
-//            hold it reads again, the last-read first (the likeliest still in L2).
-// Where every tile is held (x up to what the chip's registers and shared memory keep: about
-// 35 MB on an H200), x is read once, and there is one launch and no memset.
+//   phase 2  every block blends the tiles it holds and writes `mixed`.
+// x is read once, and there is one launch and no memset. It serves x up to what the chip's
+// registers and shared memory hold (about 32 MB on an H200); larger x takes the two-pass
+// prologue, whose second read the L2 partly serves.
 //
 // The max needs a zeroed accumulator without a memset node: OnePassState keeps two, and a
 // parity word saying which one this launch uses. The launch reads the parity on entry, and after
@@ -41,9 +41,6 @@ inline constexpr int one_pass_threads = quant_blend_block_threads;
 inline constexpr int one_pass_vectors = vectors_in_flight;
 /// Most tiles a block keeps in shared memory.
 inline constexpr int one_pass_max_held = 48;
-/// Fewest co-resident blocks per multiprocessor the plan accepts when x is larger than what the
-/// grid can hold: fewer would not keep enough loads in flight for the tiles read twice.
-inline constexpr int one_pass_min_streaming_blocks = 2;
 
 /// Device state of the one-pass prologue: see the top of this file. Zeroed once.
 struct OnePassState {
@@ -74,6 +71,33 @@ __device__ __forceinline__ std::uint32_t load_tile_max(const Vec<T, N>* __restri
   return m;
 }
 
+/// *dst = *src for shared dst and global src, asynchronously where the architecture has cp.async
+/// (sm_80 on) and the size allows it (4, 8 or 16 bytes); complete after copy_async_wait().
+template <typename V>
+__device__ __forceinline__ void copy_async(V* dst, const V* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (sizeof(V) == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                     static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+                 "l"(src));
+    return;
+  } else if constexpr (sizeof(V) == 8 || sizeof(V) == 4) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(
+                     static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+                 "l"(src), "n"(static_cast<int>(sizeof(V))));
+    return;
+  }
+#endif
+  *dst = *src;
+}
+
+/// Waits for this thread's copy_async copies.
+__device__ __forceinline__ void copy_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 template <typename T, int BLOCK_THREADS, int N, int U>
 QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     amax_quant_blend_one_pass_kernel(const T* __restrict__ x, const T* __restrict__ logits,
@@ -94,7 +118,7 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   const std::int64_t total = tokens * cols;
   const std::int64_t blocks = gridDim.x;
   const std::int64_t first = blockIdx.x;  // this block's tile 0; its tile k is first + k * blocks
-  // The launcher gives every block at least one tile.
+  // The plan gives every block between 1 and held + 1 tiles.
   const std::int64_t tiles_here = ceil_div(ceil_div(total, tile) - first, blocks);
   const int kept_here = tiles_here - 1 < held ? static_cast<int>(tiles_here - 1) : held;
   const TileRows rows_of{cols, tile, cols_div};
@@ -103,19 +127,28 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   const unsigned thread = threadIdx.x;
   const std::uint32_t parity = state->parity;
 
-  // ---- phase 1: max |x| over this block's tiles; tile 0 stays in registers, 1..kept_here in
-  // shared memory.
+  // ---- phase 1: every load of this block's tiles in flight at once: tile 0 into registers,
+  // tiles 1..kept_here into shared memory; then max |x| over them.
+#pragma unroll 1
+  for (int k = 1; k <= kept_here; ++k) {
+    const std::int64_t base = (first + k * blocks) * tile;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const std::int64_t g = base + thread + u * BLOCK_THREADS;
+      if (g < total) copy_async(&kept[(k - 1) * tile + u * BLOCK_THREADS + thread], &xv[g]);
+    }
+  }
   V in[U];
   std::uint32_t m = load_tile_max<T, N, BLOCK_THREADS, U>(xv, first * tile, total, in, 0u);
+  copy_async_wait();  // each thread reads back only what it copied: no block barrier needed
+#pragma unroll 1
   for (int k = 1; k <= kept_here; ++k) {
-    V v[U];
-    m = load_tile_max<T, N, BLOCK_THREADS, U>(xv, (first + k * blocks) * tile, total, v, m);
+    const std::int64_t base = (first + k * blocks) * tile;
 #pragma unroll
-    for (int u = 0; u < U; ++u) kept[(k - 1) * tile + u * BLOCK_THREADS + thread] = v[u];
-  }
-  for (std::int64_t k = kept_here + 1; k < tiles_here; ++k) {
-    V v[U];
-    m = load_tile_max<T, N, BLOCK_THREADS, U>(xv, (first + k * blocks) * tile, total, v, m);
+    for (int u = 0; u < U; ++u) {
+      if (base + thread + u * BLOCK_THREADS < total)
+        m = max_abs_bits(kept[(k - 1) * tile + u * BLOCK_THREADS + thread], m);
+    }
   }
   // Tile 0's gates while other blocks still load.
   TileRows::Span span = rows_of.span(first * tile, total);
@@ -141,7 +174,7 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   Math math;
   math.set_scale(shared_scale);
 
-  // ---- phase 2: blend the tiles held, then those read for the max only, last-read first.
+  // ---- phase 2: blend the tiles held.
   blend_tile<Math, BLOCK_THREADS, U>(math, in, mv, first * tile, total, span, table, rows_of);
   for (int k = 1; k <= kept_here; ++k) {
     const std::int64_t base = (first + k * blocks) * tile;
@@ -150,16 +183,6 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     for (int u = 0; u < U; ++u) v[u] = kept[(k - 1) * tile + u * BLOCK_THREADS + thread];
     span = rows_of.span(base, total);
     __syncthreads();  // the previous tile's gates are no longer read
-    fill_gates<Math>(logits, span, table, BLOCK_THREADS);
-    __syncthreads();
-    blend_tile<Math, BLOCK_THREADS, U>(math, v, mv, base, total, span, table, rows_of);
-  }
-  for (std::int64_t k = tiles_here - 1; k > kept_here; --k) {
-    const std::int64_t base = (first + k * blocks) * tile;
-    V v[U];
-    load_tile_max<T, N, BLOCK_THREADS, U>(xv, base, total, v, 0u);
-    span = rows_of.span(base, total);
-    __syncthreads();
     fill_gates<Math>(logits, span, table, BLOCK_THREADS);
     __syncthreads();
     blend_tile<Math, BLOCK_THREADS, U>(math, v, mv, base, total, span, table, rows_of);
@@ -189,27 +212,16 @@ struct OnePassPlan {
 };
 
 /// The grid for `tiles` tiles: the fewest held tiles per block that let a co-resident grid hold
-/// all of x (then as few blocks as that needs); where no grid holds it all, the grid that holds
-/// the most, among those with at least one_pass_min_streaming_blocks blocks per multiprocessor.
+/// all of x, then as few blocks as that needs; none (blocks == 0) where no grid holds it all.
 /// Pure host arithmetic, tested on the CPU.
 inline OnePassPlan plan_one_pass(std::int64_t tiles, int sms, const OnePassResidency& r) {
-  OnePassPlan plan;
-  if (tiles < 1 || sms < 1) return plan;
+  if (tiles < 1 || sms < 1) return {};
   for (int held = 0; held <= r.max_held; ++held) {
     const std::int64_t grid = std::int64_t{sms} * r.blocks[held];
     if (grid >= 1 && tiles <= grid * (held + 1))
       return {ceil_div<std::int64_t>(tiles, held + 1), held};
   }
-  std::int64_t most = 0;
-  for (int held = 0; held <= r.max_held; ++held) {
-    if (r.blocks[held] < one_pass_min_streaming_blocks) continue;
-    const std::int64_t grid = std::int64_t{sms} * r.blocks[held];
-    if (grid * (held + 1) > most) {
-      most = grid * (held + 1);
-      plan = {grid, held};
-    }
-  }
-  return plan;
+  return {};
 }
 
 template <typename T, int N>
