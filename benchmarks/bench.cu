@@ -5,8 +5,9 @@
 // --dtypes, one process times, side by side on one non-default stream:
 //   forward      qbl::QuantBlendLinear<T>::forward (one object per shape and dtype,
 //                max_tokens = tokens)
-//   fwd_2pass    the same with Options::one_pass off: the prologue as memset + amax kernel +
-//                quant-blend kernel (x read twice)
+//   fwd_1pass    the same with Options::one_pass on: the prologue as one cooperative kernel that
+//                reads x once where x fits on chip (the default: memset + amax kernel +
+//                quant-blend kernel, x read twice)
 //   graph        the same forward captured once into a CUDA graph and replayed: the forward's
 //                time without its host-side launch costs
 //   amax         qbl::amax alone
@@ -166,9 +167,9 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
   qbl::Options options;
   options.allow_tf32 = tf32;
   qbl::QuantBlendLinear<T> layer(d, d, tokens, options);
-  qbl::Options two_pass_options = options;
-  two_pass_options.one_pass = false;
-  qbl::QuantBlendLinear<T> layer_2pass(d, d, tokens, two_pass_options);
+  qbl::Options one_pass_options = options;
+  one_pass_options.one_pass = true;
+  qbl::QuantBlendLinear<T> layer_1pass(d, d, tokens, one_pass_options);
   // The `gemm` item is the autotuned LinearGemm: gemm/bare is what Options::autotune gains over
   // cuBLASLt's first choice (which the default forward and the bare GEMM both run).
   qbl::Options tuned = options;
@@ -251,12 +252,12 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     }
     return execs;
   };
-  std::vector<cudaGraphExec_t> graphs, graphs_2pass;
+  std::vector<cudaGraphExec_t> graphs, graphs_1pass;
   if (args.graph) {
     const std::size_t g_count = std::min<std::size_t>(sets, max_graph_sets);
     row.graph_sets = static_cast<int>(g_count);
     graphs = capture_forwards(layer, g_count);
-    graphs_2pass = capture_forwards(layer_2pass, std::min<std::size_t>(g_count, 256));
+    graphs_1pass = capture_forwards(layer_1pass, std::min<std::size_t>(g_count, 256));
     // The replay of set 0 must reproduce the direct forward bit for bit.
     CUDA_CHECK(cudaGraphLaunch(graphs[0], stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -278,17 +279,17 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     CUDA_CHECK(cudaGraphDestroy(g));
     CUDA_CHECK(cudaGraphUpload(bare_graph, stream));
   }
-  // The two-pass forward must give the one-pass forward's bits.
-  layer_2pass.forward(inputs.x_of(0), inputs.logits_of(0), w.as<T>(), bias.as<T>(),
+  // The one-pass forward must give the default (two-pass) forward's bits.
+  layer_1pass.forward(inputs.x_of(0), inputs.logits_of(0), w.as<T>(), bias.as<T>(),
                       out_scratch.as<T>(), tokens, stream);
   CUDA_CHECK(cudaStreamSynchronize(stream));
   {
     std::vector<T> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n));
     CUDA_CHECK(cudaMemcpy(a.data(), layer.device_mixed(), x_bytes, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(b.data(), layer_2pass.device_mixed(), x_bytes, cudaMemcpyDeviceToHost));
-    row.two_pass_bit_equal = std::memcmp(a.data(), b.data(), x_bytes) == 0;
-    std::printf("  %-4s two-pass forward's mixed bit-equal to the one-pass forward's: %s\n", dt,
-                row.two_pass_bit_equal ? "yes" : "no");
+    CUDA_CHECK(cudaMemcpy(b.data(), layer_1pass.device_mixed(), x_bytes, cudaMemcpyDeviceToHost));
+    row.one_pass_bit_equal = std::memcmp(a.data(), b.data(), x_bytes) == 0;
+    std::printf("  %-4s one-pass forward's mixed bit-equal to the default forward's: %s\n", dt,
+                row.one_pass_bit_equal ? "yes" : "no");
   }
 
   // ---- the training items (bench_train.cuh): the layer built for training, checked, graphs ----
@@ -355,14 +356,14 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
   const std::size_t first_extra = runs.size();
   runs.push_back([&](int i) {
     const auto k = static_cast<std::size_t>(i);
-    layer_2pass.forward(inputs.x_of(k), inputs.logits_of(k), w.as<T>(), bias.as<T>(),
+    layer_1pass.forward(inputs.x_of(k), inputs.logits_of(k), w.as<T>(), bias.as<T>(),
                         out_scratch.as<T>(), tokens, stream);
   });
   if (bare_graph != nullptr) {
     runs.push_back([&](int) { CUDA_CHECK(cudaGraphLaunch(bare_graph, stream)); });
     runs.push_back([&](int i) {
       CUDA_CHECK(
-          cudaGraphLaunch(graphs_2pass[static_cast<std::size_t>(i) % graphs_2pass.size()], stream));
+          cudaGraphLaunch(graphs_1pass[static_cast<std::size_t>(i) % graphs_1pass.size()], stream));
     });
   }
   if (train) train->add_items(runs);  // train, [train_graph], bare_dgrad, bare_wgrad
@@ -393,14 +394,14 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     row.t[ids[k]] = timed[k];
     report(dt, ids[k], timed[k]);
   }
-  row.fwd_2pass = timed[first_extra];
+  row.fwd_1pass = timed[first_extra];
   if (bare_graph != nullptr) {
     row.bare_graph = timed[first_extra + 1];
-    row.graph_2pass = timed[first_extra + 2];
-    std::printf("  %-4s fwd_2pass %.4f ms, bare_graph %.4f ms, graph_2pass %.4f ms\n", dt,
-                row.fwd_2pass.median_ms, row.bare_graph.median_ms, row.graph_2pass.median_ms);
+    row.graph_1pass = timed[first_extra + 2];
+    std::printf("  %-4s fwd_1pass %.4f ms, bare_graph %.4f ms, graph_1pass %.4f ms\n", dt,
+                row.fwd_1pass.median_ms, row.bare_graph.median_ms, row.graph_1pass.median_ms);
   } else {
-    std::printf("  %-4s fwd_2pass %.4f ms\n", dt, row.fwd_2pass.median_ms);
+    std::printf("  %-4s fwd_1pass %.4f ms\n", dt, row.fwd_1pass.median_ms);
   }
   if (train) train->collect(timed, dt, row.train);
   if (args.gemm_probe) {
@@ -416,7 +417,7 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
 
   CUDA_CHECK(cudaStreamSynchronize(stream));
   for (cudaGraphExec_t g : graphs) CUDA_CHECK(cudaGraphExecDestroy(g));  // before `layer` goes
-  for (cudaGraphExec_t g : graphs_2pass) CUDA_CHECK(cudaGraphExecDestroy(g));
+  for (cudaGraphExec_t g : graphs_1pass) CUDA_CHECK(cudaGraphExecDestroy(g));
   if (bare_graph != nullptr) CUDA_CHECK(cudaGraphExecDestroy(bare_graph));
   std::printf(
       "  %-4s copy %.0f GB/s, floor %.4f ms, forward/floor %.3f, eager/forward %.2f; device memory "

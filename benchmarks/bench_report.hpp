@@ -81,9 +81,9 @@ inline void write_csv(const std::string& path, const GpuInfo& gpu, const std::ve
                "train_grad_x_rel_diff,train_grad_weight_rel_diff,train_grad_bias_rel_diff,"
                "train_graph_bit_equal,bare_dgrad_algo,bare_wgrad_algo");
   std::fprintf(f,
-               ",fwd_2pass_ms,fwd_2pass_min_ms,fwd_2pass_runs,fwd_2pass_over_floor,"
-               "two_pass_bit_equal,bare_graph_ms,bare_graph_min_ms,bare_graph_runs,"
-               "graph_over_bare_graph,graph_2pass_ms,graph_2pass_min_ms,graph_2pass_runs\n");
+               ",fwd_1pass_ms,fwd_1pass_min_ms,fwd_1pass_runs,fwd_1pass_over_floor,"
+               "one_pass_bit_equal,bare_graph_ms,bare_graph_min_ms,bare_graph_runs,"
+               "graph_over_bare_graph,graph_1pass_ms,graph_1pass_min_ms,graph_1pass_runs\n");
   for (const Row& r : rows) {
     std::fprintf(f, "\"%s\",%d,%d,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%s,%" PRId64 ",%d,%d",
                  gpu.name.c_str(), gpu.sms, gpu.l2_bytes, version_string(gpu.driver).c_str(),
@@ -127,20 +127,20 @@ inline void write_csv(const std::string& path, const GpuInfo& gpu, const std::ve
     } else {
       std::fprintf(f, ",,,,,,,,,,,,,,");  // the 14 columns after the items' times
     }
-    for (const Timing* t : {&r.fwd_2pass, &r.bare_graph}) {
+    for (const Timing* t : {&r.fwd_1pass, &r.bare_graph}) {
       if (t->valid()) {
         std::fprintf(f, ",%.6g,%.6g,%d", t->median_ms, t->min_ms, t->runs);
       } else {
         std::fprintf(f, ",,,");
       }
-      if (t == &r.fwd_2pass)
-        std::fprintf(f, ",%s,%d", fmt("%.6g", r.fwd_2pass_over_floor()).c_str(),
-                     r.two_pass_bit_equal);
+      if (t == &r.fwd_1pass)
+        std::fprintf(f, ",%s,%d", fmt("%.6g", r.fwd_1pass_over_floor()).c_str(),
+                     r.one_pass_bit_equal);
     }
     std::fprintf(f, ",%s", fmt("%.6g", r.graph_over_bare_graph()).c_str());
-    if (r.graph_2pass.valid()) {
-      std::fprintf(f, ",%.6g,%.6g,%d\n", r.graph_2pass.median_ms, r.graph_2pass.min_ms,
-                   r.graph_2pass.runs);
+    if (r.graph_1pass.valid()) {
+      std::fprintf(f, ",%.6g,%.6g,%d\n", r.graph_1pass.median_ms, r.graph_1pass.min_ms,
+                   r.graph_1pass.runs);
     } else {
       std::fprintf(f, ",,,\n");
     }
@@ -173,11 +173,11 @@ const Column columns[] = {
     {"copy GB/s", [](const Row& r) { return fmt("%.0f", r.copy_gbps()); }},
     {"floor ms", [](const Row& r) { return fmt("%.4f", r.floor_ms()); }},
     {"fwd/floor", [](const Row& r) { return fmt("%.3f", r.over_floor(forward_item)); }},
-    {"2pass ms", [](const Row& r) { return fmt("%.4f", r.fwd_2pass.median_ms); }},
-    {"2pass/floor", [](const Row& r) { return fmt("%.3f", r.fwd_2pass_over_floor()); }},
+    {"1pass ms", [](const Row& r) { return fmt("%.4f", r.fwd_1pass.median_ms); }},
+    {"1pass/floor", [](const Row& r) { return fmt("%.3f", r.fwd_1pass_over_floor()); }},
     {"bgraph ms", [](const Row& r) { return fmt("%.4f", r.bare_graph.median_ms); }},
     {"graph/bgraph", [](const Row& r) { return fmt("%.3f", r.graph_over_bare_graph()); }},
-    {"g2pass ms", [](const Row& r) { return fmt("%.4f", r.graph_2pass.median_ms); }},
+    {"g1pass ms", [](const Row& r) { return fmt("%.4f", r.graph_1pass.median_ms); }},
     {"prol GB/s", [](const Row& r) { return fmt("%.0f", r.prologue_gbps()); }},
     {"prol/copy", [](const Row& r) { return fmt("%.3f", r.prologue_gbps() / r.copy_gbps()); }},
     {"amax GB/s", [](const Row& r) { return fmt("%.0f", r.amax_gbps()); }},

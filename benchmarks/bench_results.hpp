@@ -82,10 +82,10 @@ struct Row {
   std::string bare_algo;
   TrainRow train;  // the training items (bench_train.cuh); untimed with --no-train
   // Timed with the rest; their CSV columns come after the training items'.
-  Timing fwd_2pass;    // the forward with Options::one_pass off
+  Timing fwd_1pass;    // the forward with Options::one_pass on
   Timing bare_graph;   // the bare GEMM replayed from a graph
-  Timing graph_2pass;  // the two-pass forward replayed from graphs
-  bool two_pass_bit_equal = false;
+  Timing graph_1pass;  // the one-pass forward replayed from graphs
+  bool one_pass_bit_equal = false;
 
   double n() const { return static_cast<double>(tokens) * static_cast<double>(shape.d); }
   double ms(Item i) const { return t[i].median_ms; }
@@ -94,8 +94,8 @@ struct Row {
     return ms(bare_gemm_item) + 2.0 * n() * elem_bytes / (copy_gbps() * 1e9) * 1e3;
   }
   double over_floor(Item i) const { return t[i].valid() ? ms(i) / floor_ms() : NAN; }
-  double fwd_2pass_over_floor() const {
-    return fwd_2pass.valid() ? fwd_2pass.median_ms / floor_ms() : NAN;
+  double fwd_1pass_over_floor() const {
+    return fwd_1pass.valid() ? fwd_1pass.median_ms / floor_ms() : NAN;
   }
   // Launch-bound shapes: the forward's graph replay over the bare GEMM's.
   double graph_over_bare_graph() const {

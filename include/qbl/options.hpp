@@ -55,13 +55,18 @@ struct Options {
   /// instance plans and allocates nothing for the backward, and backward() throws.
   bool backward = false;
 
-  /// The forward's prologue (amax, then quant-blend) as one cooperative launch that reads x once
-  /// where x fits in the chip's registers and shared memory (about 35 MB on an H200), and reads
-  /// only the rest twice where it does not. Off: the two-pass prologue of qbl::amax_quant_blend
-  /// (a memset, the amax kernel, the quant-blend kernel; x read twice). Both give the same bits.
-  /// The cooperative launch needs every block of its grid resident at once; where the device
-  /// refuses such a grid, the forward runs the two-pass prologue instead.
-  bool one_pass = true;
+  /// The forward's prologue (amax, then quant-blend) as one cooperative launch that reads x once,
+  /// where x fits in the chip's registers and shared memory (about 32 MB on an H200; larger x
+  /// keeps the two-pass prologue). Off (the default): the two-pass prologue of
+  /// qbl::amax_quant_blend (a memset, the amax kernel, the quant-blend kernel; x read twice).
+  /// Both give the same bits. Off by default because on an H200 it measured no faster: the
+  /// blend's arithmetic cannot start before the grid-wide barrier, which costs what the second
+  /// read saved (benchmarks/RESULTS.md). The cooperative launch needs its whole grid resident at
+  /// once; where the device refuses such a grid the forward runs the two-pass prologue instead,
+  /// except during stream capture, where CUDA invalidates the capture on the refusal (the grid is
+  /// sized at construction from the occupancy calculator, so only a device whose usable
+  /// multiprocessors shrink afterwards refuses it).
+  bool one_pass = false;
 
   /// Device memory of the instance and of its planning (default: cudaMalloc / cudaFree).
   DeviceAllocator allocator;
