@@ -116,14 +116,14 @@ inline void write_csv(const std::string& path, const GpuInfo& gpu, const std::ve
       }
     }
     if (tr.timed()) {
-      std::fprintf(
-          f, ",%.6g,%.6g,%s,%d,%d,%" PRId64 ",%" PRId64 ",%d,%.3g,%.3g,%.3g,%s,\"%s\",\"%s\"\n",
-          r.train_floor_ms(), r.train_over_floor(train_item),
-          fmt("%.6g", r.train_over_floor(train_graph_item)).c_str(), tr.bgradb, tr.check_ok(),
-          tr.unwritten, tr.nonfinite, tr.mixed_bit_equal, tr.grad_x_rel_diff,
-          tr.grad_weight_rel_diff, tr.grad_bias_rel_diff,
-          tr.graph_bit_equal < 0 ? "" : std::to_string(tr.graph_bit_equal).c_str(),
-          tr.dgrad_algo.c_str(), tr.wgrad_algo.c_str());
+      std::fprintf(f,
+                   ",%.6g,%.6g,%s,%d,%d,%" PRId64 ",%" PRId64 ",%d,%.3g,%.3g,%.3g,%s,\"%s\",\"%s\"",
+                   r.train_floor_ms(), r.train_over_floor(train_item),
+                   fmt("%.6g", r.train_over_floor(train_graph_item)).c_str(), tr.bgradb,
+                   tr.check_ok(), tr.unwritten, tr.nonfinite, tr.mixed_bit_equal,
+                   tr.grad_x_rel_diff, tr.grad_weight_rel_diff, tr.grad_bias_rel_diff,
+                   tr.graph_bit_equal < 0 ? "" : std::to_string(tr.graph_bit_equal).c_str(),
+                   tr.dgrad_algo.c_str(), tr.wgrad_algo.c_str());
     } else {
       std::fprintf(f, ",,,,,,,,,,,,,,");  // the 14 columns after the items' times
     }

@@ -12,6 +12,10 @@
 // registers and shared memory hold (about 32 MB on an H200); larger x takes the two-pass
 // prologue, whose second read the L2 partly serves.
 //
+// Opt-in (Options::one_pass): on an H200 it measured no faster than the two-pass prologue
+// (benchmarks/RESULTS.md, 2026-12-03). The blend's arithmetic cannot start before the barrier,
+// so it no longer overlaps the loads, which costs about what the second read and the launch save.
+//
 // The max needs a zeroed accumulator without a memset node: OnePassState keeps two, and a
 // parity word saying which one this launch uses. The launch reads the parity on entry, and after
 // the barrier block 0 zeroes the other accumulator and flips the parity; the next launch on the
@@ -19,7 +23,11 @@
 //
 // The launch is cooperative: the runtime refuses a grid that cannot be co-resident
 // (cudaErrorCooperativeLaunchTooLarge) rather than let the barrier hang, and the caller then
-// runs the two-pass prologue. The grid is sized from occupancy asked once per layer.
+// runs the two-pass prologue -- except during stream capture, where CUDA invalidates the capture
+// on the refusal (cudaErrorStreamCaptureInvalidated, reported to the caller). The grid is sized
+// from occupancy asked once per layer, so only a device whose usable multiprocessors shrink after
+// that refuses it. Kernels of other streams that hold multiprocessors delay the grid's start; they
+// do not make the launch fail.
 #pragma once
 
 #include <qbl/amax.cuh>
