@@ -251,7 +251,7 @@ class QuantBlendLinear {
   int device_ = 0;
   detail::LaunchLimits limits_;     // of device_, for T
   detail::OnePassLimits one_pass_;  // of device_, for T (Options::one_pass)
-  detail::device_buffer stats_;     // [amax, scale]
+  detail::device_buffer stats_;     // [amax, scale], then the one-pass state
   detail::device_buffer mixed_;
   detail::device_buffer cublas_workspace_;
   LinearGemm<T> gemm_;
