@@ -45,6 +45,15 @@ if _EXAMPLES not in sys.path:
 
 import reference as reference_model  # noqa: E402
 
+# ---- shapes shared by the forward and backward tests: (lead dims of x, in, out, bias) ----------
+
+SMALL_SHAPES = [
+    pytest.param((2, 37), 96, 40, True, id="3d_96to40"),
+    pytest.param((50,), 1, 7, True, id="2d_1to7"),
+    pytest.param((3, 5), 64, 64, False, id="3d_64to64_nobias"),
+    pytest.param((130,), 24, 56, True, id="2d_24to56"),
+]
+
 # ---- dtypes and tolerances ------------------------------------------------------------------------
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -288,6 +297,20 @@ def assert_gemm_close(actual, eager, ref64, dtype, what):
         f"= max(2 x eager's {err_eager:.3e}, floor {GEMM_FLOOR[dtype]:.1e})")
 
 
+def _assert_within(actual, ref64, bound, what, bound_name, ref_name):
+    """|actual - ref64| <= bound elementwise (a NaN difference counts as outside); the message
+    names the first five elements outside."""
+    err = (actual.double() - ref64.double()).abs()
+    bad = ~(err <= bound)
+    n = int(bad.sum().item())
+    if n:
+        idx = [tuple(i) for i in torch.nonzero(bad)[:5].tolist()]
+        detail = "\n".join(f"    at {t}: actual {actual[t].item()!r}, {ref_name} {ref64[t].item()!r}, "
+                           f"bound {bound[t].item():.3e}" for t in idx)
+        raise AssertionError(f"{what}: {n} of {actual.numel()} elements outside the {bound_name}:\n"
+                             f"{detail}")
+
+
 def assert_gemm_elementwise(actual, ref64, mag64, k, dtype, what):
     """Every element of a GEMM with fp32 accumulation of k products (plus a bias), rounded to the
     dtype, within 2u |ref| + (k + 2) 2^-24 (|A| |B| + |b|) (1 + 2u) + tiny of the float64 product:
@@ -297,15 +320,7 @@ def assert_gemm_elementwise(actual, ref64, mag64, k, dtype, what):
     u = UNIT_ROUNDOFF[dtype]
     bound = (2 * u * ref64.abs() + (k + 2) * 2.0 ** -24 * mag64 * (1 + 2 * u)
              + torch.finfo(dtype).tiny)
-    err = (actual.double() - ref64).abs()
-    bad = ~(err <= bound)  # NaN counts as bad
-    n = int(bad.sum().item())
-    if n:
-        idx = [tuple(i) for i in torch.nonzero(bad)[:5].tolist()]
-        detail = "\n".join(f"    at {t}: actual {actual[t].item()!r}, float64 {ref64[t].item()!r}, "
-                           f"bound {bound[t].item():.3e}" for t in idx)
-        raise AssertionError(f"{what}: {n} of {actual.numel()} elements outside the GEMM bound:\n"
-                             f"{detail}")
+    _assert_within(actual, ref64, bound, what, "GEMM bound", "float64")
 
 
 def assert_norm_within_eager(actual, eager, ref64, dtype, what, factor=2.0):
@@ -329,15 +344,7 @@ def assert_sum_close(actual, ref64, abs_sum64, n_terms, dtype, what, factor=1.0)
     u = UNIT_ROUNDOFF[dtype]
     bound = factor * ((max(n_terms - 1, 0) * 2.0 ** -24 + 2.0 ** -20) * abs_sum64
                       + 2 * u * ref64.abs() + torch.finfo(dtype).tiny)
-    err = (actual.double() - ref64.double()).abs()
-    bad = ~(err <= bound)
-    n = int(bad.sum().item())
-    if n:
-        idx = [tuple(i) for i in torch.nonzero(bad)[:5].tolist()]
-        detail = "\n".join(f"    at {t}: actual {actual[t].item()!r}, expected {ref64[t].item()!r}, "
-                           f"bound {bound[t].item():.3e}" for t in idx)
-        raise AssertionError(f"{what}: {n} of {actual.numel()} elements outside the sum bound:\n"
-                             f"{detail}")
+    _assert_within(actual, ref64, bound, what, "sum bound", "expected")
 
 
 def check_all_grads(q: Grads, e: Grads, x, l, w, b, g, dtype, ste, what=""):

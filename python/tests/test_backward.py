@@ -14,11 +14,7 @@ import torch
 import qbl
 import reference as reference_model
 
-SHAPES = [
-    pytest.param((2, 37), 96, 40, True, id="3d_96to40"),
-    pytest.param((50,), 1, 7, True, id="2d_1to7"),
-    pytest.param((3, 5), 64, 64, False, id="3d_64to64_nobias"),
-    pytest.param((130,), 24, 56, True, id="2d_24to56"),
+SHAPES = H.SMALL_SHAPES + [
     pytest.param((4, 512), 512, 768, True, id="medium_3d_512to768"),
 ]
 STE_PARAMS = [pytest.param(False, id="zero_grad"), pytest.param(True, id="straight_through")]

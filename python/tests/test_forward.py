@@ -13,11 +13,7 @@ import qbl
 import reference as reference_model
 
 # (lead dims of x, in_features, out_features, bias)
-SHAPES = [
-    pytest.param((2, 37), 96, 40, True, id="3d_96to40"),
-    pytest.param((50,), 1, 7, True, id="2d_1to7"),
-    pytest.param((3, 5), 64, 64, False, id="3d_64to64_nobias"),
-    pytest.param((130,), 24, 56, True, id="2d_24to56"),
+SHAPES = H.SMALL_SHAPES + [
     pytest.param((8, 512), 1024, 1024, True, id="medium_3d_1024"),
 ]
 
