@@ -142,8 +142,12 @@ void QuantBlendLinear<T>::run_forward(const T* x, const T* logits, const T* weig
         detail::quant_blend_with(x, logits, stats, mixed, tokens, in_, stats + 1, limits_, stream));
   } else {
     const detail::NvtxRange range("qbl prologue (amax + quant_blend)");
-    QBL_CUDA_TRY(detail::amax_quant_blend_layer(x, logits, mixed, tokens, in_, stats,
-                                                one_pass_state(), one_pass_, limits_, stream));
+    detail::OnePassState* state = one_pass_state();
+    QBL_CUDA_TRY(state != nullptr
+                     ? detail::amax_quant_blend_layer(x, logits, mixed, tokens, in_, stats, state,
+                                                      one_pass_, limits_, stream)
+                     : detail::amax_quant_blend_with(x, logits, mixed, tokens, in_, stats,
+                                                     stats + 1, limits_, stream));
   }
   const detail::NvtxRange range("qbl gemm");
   if (gemm_.supports(mixed, weight, bias, out, tokens)) {
