@@ -238,7 +238,7 @@ def bench_shape(shape, dtype, args, failures):
     sanity_check(eager, new, xs[0], ls[0])
     models = {"eager": eager}
     for name, mode in COMPILE_MODES.items():
-        if args.compile and (mode is None or args.max_autotune):
+        if args.compile and (args.default_compile if mode is None else args.max_autotune):
             try:
                 models[name] = compile_model(copy.deepcopy(eager), mode, xs[0], ls[0])
             except Exception as e:  # noqa: BLE001
@@ -396,6 +396,8 @@ def parse_args():
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
     ap.add_argument("--max-autotune", action=argparse.BooleanOptionalAction, default=True,
                     help="also time mode=\"max-autotune-no-cudagraphs\" (default: on)")
+    ap.add_argument("--no-default-compile", dest="default_compile", action="store_false",
+                    help="skip torch.compile's default mode (time max-autotune alone)")
     ap.add_argument("--samples", type=int, default=100, help="timed runs per variant, at least")
     ap.add_argument("--round-ms", type=float, default=5.0, help="GPU time per variant per round")
     ap.add_argument("--warmup", type=int, default=10, help="untimed runs per variant")
