@@ -3,13 +3,13 @@
 # PyTorch package (installed, then its pytest suite), the PyTorch timings and the benchmark. Each stage writes its log to LOGDIR and has a time limit, so
 # that one slow stage cannot starve the others; the summary at the end says what passed.
 #
-#   tools/gpu_check.sh [stage ...]   stages: build test sanitize package pytest compare bench
+#   tools/gpu_check.sh [stage ...]   stages: build test sanitize package pytest compare sharded bench
 #                                    (default: all)
 #
 # Environment: LOGDIR (default build-gpu/logs), BUILD (default build-gpu), JOBS (default nproc),
 # PYTHON (default python3), COMPARE_ARGS / BENCH_ARGS / PYTEST_ARGS (extra arguments), and
 # per-stage limits in seconds: TEST_S (900), SANITIZE_S (900), PACKAGE_S (600), PYTEST_S (900),
-# COMPARE_S (900), BENCH_S (900).
+# COMPARE_S (900), SHARDED_S (600), BENCH_S (900); SHARDED_ARGS for sharded_timing.py.
 # The test and sanitize stages run with QBL_REQUIRE_GPU=1: a GPU test fails, not skips, where no
 # GPU is usable, so a broken machine cannot report everything passed.
 set -uo pipefail
@@ -19,7 +19,7 @@ LOGDIR=${LOGDIR:-$BUILD/logs}
 JOBS=${JOBS:-$(nproc)}
 mkdir -p "$LOGDIR"
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(build test sanitize package pytest compare bench)
+[ ${#stages[@]} -gt 0 ] || stages=(build test sanitize package pytest compare sharded bench)
 PYTHON=${PYTHON:-python3}
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
@@ -88,6 +88,20 @@ if has compare; then
   rc=$?
   note "compare.py ${COMPARE_ARGS:-} (rc $rc, $(secs $t) s): $(tail -n 1 "$LOGDIR/compare.log")"
   grep -E 'FAIL|Error|error' "$LOGDIR/compare.log" | head -n 30
+fi
+
+if has sharded; then
+  gpus=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)
+  if [ "${gpus:-0}" -ge 2 ]; then
+    t=$(date +%s)
+    timeout "${SHARDED_S:-600}" "$PYTHON" -m torch.distributed.run --nproc-per-node "$gpus" \
+      examples/pytorch/sharded_timing.py ${SHARDED_ARGS:-} >"$LOGDIR/sharded.log" 2>&1
+    rc=$?
+    note "sharded_timing.py on $gpus GPUs (rc $rc, $(secs $t) s)"
+    grep -E '^(##|\|)' "$LOGDIR/sharded.log" | head -n 40
+  else
+    note "sharded_timing.py: NOT RUN (needs two GPUs, found ${gpus:-0})"
+  fi
 fi
 
 if has bench; then

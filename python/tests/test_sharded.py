@@ -2,8 +2,9 @@
 amax's bits. On one GPU: the split equals the fused forward bit for bit (out, mixed, stats and
 every gradient); shards along the tokens and along the features, reduced with an integer max of
 the bits, give the unsharded layer's `mixed` bit for bit (NaN in one shard included); the
-process_group path through a one-rank NCCL group. On two GPUs: one process per GPU, x sharded
-along the tokens, `mixed` bit-equal to one GPU's on the whole x."""
+process_group path through a one-rank NCCL group. On two or more GPUs: one process per GPU, x
+sharded along the tokens or the features, amax all-reduced through NCCL, called directly and
+replayed from a CUDA graph: `mixed` and [amax, scale] bit-equal to one GPU's on the whole x."""
 
 from __future__ import annotations
 
@@ -114,49 +115,112 @@ _WORKER = r"""
 import os, sys, torch, torch.distributed as dist
 import qbl
 rank, world, path, store_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+axis, nan, graph = os.environ["QBL_SHARD_AXIS"], os.environ["QBL_SHARD_NAN"] == "1", \
+    os.environ["QBL_SHARD_GRAPH"] == "1"
 torch.cuda.set_device(rank)
 dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank,
                         world_size=world, device_id=torch.device("cuda", rank))
-g = torch.Generator().manual_seed(340)
-x = torch.randn(96, 128, generator=g).to(torch.bfloat16)
-if os.environ.get("QBL_SHARD_NAN") == "1":
-    x[90, 7] = float("nan")
-l = torch.randn(96, generator=g).to(torch.bfloat16)
-w = (torch.randn(48, 128, generator=g) * 0.05).to(torch.bfloat16)
-rows = slice(rank * 96 // world, (rank + 1) * 96 // world)
 dev = torch.device("cuda", rank)
-xs, ls, w = x[rows].to(dev), l[rows].to(dev), w.to(dev)
-amax = qbl.all_reduce_amax(torch.ops.qbl.local_amax(xs))
-_, mixed, stats = torch.ops.qbl.forward_from_amax(xs, ls, w, None, amax)
-torch.save({"mixed": mixed.cpu(), "stats": stats.cpu(), "rows": (rows.start, rows.stop),
-            "x": x, "l": l, "w": w.cpu()}, path)
+
+
+def inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(96, 128, generator=g) * (1 + seed % 3)).to(torch.bfloat16)
+    if nan:
+        x[90, 127] = float("nan")  # in the last rank's shard, along either axis
+    l = torch.randn(96, generator=g).to(torch.bfloat16)
+    w = (torch.randn(48, 128, generator=g) * 0.05).to(torch.bfloat16)
+    return x, l, w
+
+
+cut = slice(rank * (96 if axis == "tokens" else 128) // world,
+            (rank + 1) * (96 if axis == "tokens" else 128) // world)
+
+
+def shard(x, l, w):
+    if axis == "tokens":
+        return x[cut].to(dev), l[cut].to(dev), w.to(dev)
+    return x[:, cut].contiguous().to(dev), l.to(dev), w[:, cut].contiguous().to(dev)
+
+
+def sharded_forward(xs, ls, ws):
+    amax = qbl.all_reduce_amax(torch.ops.qbl.local_amax(xs))
+    return torch.ops.qbl.forward_from_amax(xs, ls, ws, None, amax)
+
+
+seeds = [340, 341, 342, 343]
+results = []
+if not graph:
+    for seed in seeds[:1]:
+        _, mixed, stats = sharded_forward(*shard(*inputs(seed)))
+        results.append((inputs(seed), mixed.cpu(), stats.cpu()))
+else:
+    # Static inputs, a warm-up on a side stream, then the whole sharded forward (local amax, the
+    # NCCL all-reduce, the forward from the reduced amax) captured once and replayed on new x.
+    static = [t.clone() for t in shard(*inputs(seeds[0]))]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            sharded_forward(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _, mixed, stats = sharded_forward(*static)
+    for seed in seeds[1:]:
+        for dst, src in zip(static, shard(*inputs(seed))):
+            dst.copy_(src)
+        g.replay()
+        results.append((inputs(seed), mixed.cpu().clone(), stats.cpu().clone()))
+torch.cuda.synchronize()
+torch.save({"results": results, "cut": (cut.start, cut.stop)}, path)
 dist.destroy_process_group()
 """
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["direct", "graph_replay"])
 @pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_on_one_rank"])
-def test_two_gpus_token_shards_equal_one_gpu(tmp_path, nan):
-    if torch.cuda.device_count() < 2:
+@pytest.mark.parametrize("axis", ["tokens", "features"])
+def test_shards_across_gpus_equal_one_gpu(tmp_path, axis, nan, graph):
+    """One process per GPU (all of them, at most 8), x sharded along `axis`, amax all-reduced
+    through NCCL: each rank's `mixed` and [amax, scale] equal one GPU's on the whole x, bit for
+    bit; a NaN on one rank makes every rank's scale NaN; captured in a CUDA graph, the sharded
+    forward (NCCL all-reduce included) replays on new inputs with the same result."""
+    world = min(torch.cuda.device_count(), 8)
+    if world < 2:
         pytest.skip("needs two CUDA devices")
+    if not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
+        pytest.skip("torch.distributed with NCCL is not available")
     import subprocess
     import sys
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    env = dict(os.environ, QBL_SHARD_NAN="1" if nan else "0")
+    env = dict(os.environ, QBL_SHARD_AXIS=axis, QBL_SHARD_NAN="1" if nan else "0",
+               QBL_SHARD_GRAPH="1" if graph else "0")
     store = str(tmp_path / "store")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2",
-                               str(tmp_path / f"rank{r}.pt"), store], env=env) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world),
+                               str(tmp_path / f"rank{r}.pt"), store], env=env)
+             for r in range(world)]
     try:
         codes = [p.wait(timeout=300) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0, 0], f"a rank failed: exit codes {codes}"
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    x, l, w = (results[0][k].to(H.device()) for k in ("x", "l", "w"))
-    _, mixed_whole, stats_whole = torch.ops.qbl.forward(x, l, w, None)
-    for r, res in enumerate(results):
-        lo, hi = res["rows"]
-        H.assert_bits_equal(res["mixed"].to(H.device()), mixed_whole[lo:hi], f"rank {r}: mixed")
-        H.assert_bits_equal(res["stats"].to(H.device()), stats_whole, f"rank {r}: stats")
+    assert codes == [0] * world, f"a rank failed: exit codes {codes}"
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    assert len(ranks[0]["results"]) == (3 if graph else 1)
+    for i, (whole, _, _) in enumerate(ranks[0]["results"]):
+        _, mixed_whole, stats_whole = torch.ops.qbl.forward(*(t.to(H.device()) for t in whole),
+                                                            None)
+        if nan:
+            assert torch.isnan(stats_whole[1]), "a NaN in x must make the scale NaN"
+        for r, res in enumerate(ranks):
+            inputs, mixed, stats = res["results"][i]
+            assert all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                       for a, b in zip(inputs, whole)), f"rank {r}: inputs differ from rank 0's"
+            lo, hi = res["cut"]
+            want = mixed_whole[lo:hi] if axis == "tokens" else mixed_whole[:, lo:hi]
+            H.assert_bits_equal(mixed.to(H.device()), want, f"input {i}, rank {r}: mixed")
+            H.assert_bits_equal(stats.to(H.device()), stats_whole,
+                                f"input {i}, rank {r}: [amax, scale]")
