@@ -67,9 +67,14 @@ def shard_inputs(shape, dtype, rank, world, device):
     """Copies of this rank's x and logits rows (>= 3 x L2 together), weight and bias."""
     b, t, d = shape
     rows = b * t // world
+    if rows == 0:
+        raise SystemExit(f"{b}x{t}x{d}: fewer tokens ({b * t}) than ranks ({world})")
     per_copy = (rows * d + rows) * torch.finfo(dtype).bits // 8
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
     count = max(2, min(MAX_COPIES, math.ceil(3 * max(l2, 2**20) / per_copy)))
+    agreed = torch.tensor([count], device=device)  # every rank replays the same graphs
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    count = int(agreed.item())
     gen = torch.Generator(device=device).manual_seed(1000 + rank)
     xs = [torch.randn(rows, d, generator=gen, device=device).to(dtype) for _ in range(count)]
     ls = [torch.randn(rows, generator=gen, device=device).to(dtype) for _ in range(count)]

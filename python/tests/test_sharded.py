@@ -172,6 +172,9 @@ else:
             dst.copy_(src)
         g.replay()
         results.append((inputs(seed), mixed.cpu().clone(), stats.cpu().clone()))
+    # A graph holding an NCCL operation keeps the communicator alive: free it before the group.
+    torch.cuda.synchronize()
+    del g
 torch.cuda.synchronize()
 torch.save({"results": results, "cut": (cut.start, cut.stop)}, path)
 dist.destroy_process_group()
