@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
 """Plot qbl_bench results: time over the floor, per shape, one panel per dtype.
 
-    python3 benchmarks/plot.py results.csv out.png
+    python3 benchmarks/plot.py results.csv out.png [--forward COLUMN] [--graph COLUMN]
 
 Bars: forward/floor (qbl's fused layer) and eager/floor (the unfused eager-like chain), with
 graph/floor as a third series where the CSV has it (launch-bound shapes). floor = bare cuBLASLt
 GEMM+bias + reading x and writing mixed once at copy bandwidth, so 1.0 is the best any
 implementation can do and 1.10 is "within 10 % of it". The y axis turns logarithmic when the
 eager chain is far above the fused layer, so that both stay readable.
+
+--forward and --graph pick other columns for the forward and graph-replay bars (defaults
+forward_over_floor and graph_over_floor), e.g. the other prologue's fwd_2pass_over_floor; a column
+ending in _ms is divided by floor_ms.
 """
 
+import argparse
 import csv
 import math
 import sys
@@ -33,11 +38,20 @@ def number(row, key):
     return v if math.isfinite(v) else None
 
 
-def plot_panel(ax, rows, dtype):
+def over_floor(row, key):
+    """Column `key` as time / floor: as it is, or divided by floor_ms where it ends in _ms."""
+    v = number(row, key)
+    if v is None or not key.endswith("_ms"):
+        return v
+    floor = number(row, "floor_ms")
+    return v / floor if floor else None
+
+
+def plot_panel(ax, rows, dtype, forward_key, graph_key):
     labels = [f"{r['B']}x{r['T']}x{r['D']}" for r in rows]
-    forward = [number(r, "forward_over_floor") for r in rows]
+    forward = [over_floor(r, forward_key) for r in rows]
     eager = [number(r, "eager_over_floor") for r in rows]
-    graph = [number(r, "graph_over_floor") for r in rows]
+    graph = [over_floor(r, graph_key) for r in rows]
     series = [("forward / floor", forward, "tab:blue"), ("eager chain / floor", eager, "tab:red")]
     if any(g is not None for g in graph):
         series.insert(1, ("graph replay / floor", graph, "tab:green"))
@@ -73,15 +87,22 @@ def plot_panel(ax, rows, dtype):
 
 
 def main(argv):
-    if len(argv) != 3:
-        print(__doc__.strip(), file=sys.stderr)
-        return 2
-    csv_path, png_path = argv[1], argv[2]
+    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    ap.add_argument("csv_path")
+    ap.add_argument("png_path")
+    ap.add_argument("--forward", default="forward_over_floor", help="column of the forward bars")
+    ap.add_argument("--graph", default="graph_over_floor", help="column of the graph bars")
+    args = ap.parse_args(argv[1:])
+    csv_path, png_path = args.csv_path, args.png_path
     with open(csv_path, newline="") as f:
         rows = list(csv.DictReader(f))
     if not rows:
         print(f"plot.py: no rows in {csv_path}", file=sys.stderr)
         return 1
+    for key, default in ((args.forward, "forward_over_floor"), (args.graph, "graph_over_floor")):
+        if key != default and key not in rows[0]:  # older CSVs may lack the default columns
+            print(f"plot.py: {csv_path} has no column {key}", file=sys.stderr)
+            return 1
 
     gpu = (rows[0].get("gpu") or "").strip()
     dtypes = []
@@ -93,7 +114,7 @@ def main(argv):
     fig, axes = plt.subplots(len(dtypes), 1, squeeze=False,
                              figsize=(max(8.0, 1.3 * shapes + 3.0), 4.6 * len(dtypes)))
     for ax, dtype in zip(axes[:, 0], dtypes):
-        plot_panel(ax, [r for r in rows if r["dtype"] == dtype], dtype)
+        plot_panel(ax, [r for r in rows if r["dtype"] == dtype], dtype, args.forward, args.graph)
     title = "qbl QuantBlendLinear: time over the floor (bare GEMM + one x read, one mixed write)"
     fig.suptitle(f"{title}\n{gpu}" if gpu else title, fontsize=10)
     fig.tight_layout()
