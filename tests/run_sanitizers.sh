@@ -46,7 +46,7 @@ empty_run_reason() {
   if [ "$skipped" -ge "$ran" ]; then echo "every test skipped ($skipped of $ran)"; fi
 }
 
-# Sum of the counts that `pattern` (its last field a number, after "] ") finds in a log.
+# Sum of the numbers in what `pattern` (an extended regex holding one number) matches in a log.
 count() { grep -Eo "$2" "$1" | grep -Eo '[0-9]+' | awk '{ n += $1 } END { print n + 0 }'; }
 
 if [ "${1:-}" = --check-log ]; then
@@ -135,7 +135,7 @@ for tool in "${tools[@]}"; do
       if [ "$rc" -eq 0 ]; then result="FAILED ($why)"; else result="$result ($why)"; fi
       status=1
     fi
-    echo "$tool $name: $result, $(count "$log" '(ERROR SUMMARY: [0-9]+ errors?$|RACECHECK SUMMARY: [0-9]+ hazards)') errors," \
+    echo "$tool $name: $result, $(count "$log" '(ERROR SUMMARY: [0-9]+ errors?$|RACECHECK SUMMARY: [0-9]+ hazards?)') errors or hazards," \
          "$(count "$log" '\[  PASSED  \] [0-9]+') passed," \
          "$(count "$log" '\[  SKIPPED \] [0-9]+ tests?,') skipped," \
          "$(count "$log" '\[  FAILED  \] [0-9]+ tests?,') failed" \

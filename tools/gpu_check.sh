@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Everything qbl runs on a GPU, in one go: build, the whole test suite, the sanitizers, the
-# PyTorch package (installed, then its pytest suite), the PyTorch timings and the benchmark. Each stage writes its log to LOGDIR and has a time limit, so
-# that one slow stage cannot starve the others; the summary at the end says what passed.
+# PyTorch package (installed, then its pytest suite), the PyTorch timings, the sharded forward's
+# timings over several GPUs (where there are two or more) and the benchmark. Each stage writes its
+# log to LOGDIR and has a time limit, so that one slow stage cannot starve the others; the summary
+# at the end says what passed.
 #
-#   tools/gpu_check.sh [stage ...]   stages: build test sanitize package pytest compare sharded bench
-#                                    (default: all)
+#   tools/gpu_check.sh [stage ...]   stages: build test sanitize package pytest compare sharded
+#                                    bench (default: all)
 #
 # Environment: LOGDIR (default build-gpu/logs), BUILD (default build-gpu), JOBS (default nproc),
 # PYTHON (default python3), COMPARE_ARGS / BENCH_ARGS / PYTEST_ARGS (extra arguments), and
@@ -91,7 +93,7 @@ if has compare; then
 fi
 
 if has sharded; then
-  gpus=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)
+  gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
   if [ "${gpus:-0}" -ge 2 ]; then
     t=$(date +%s)
     timeout "${SHARDED_S:-600}" "$PYTHON" -m torch.distributed.run --nproc-per-node "$gpus" \
@@ -99,6 +101,7 @@ if has sharded; then
     rc=$?
     note "sharded_timing.py on $gpus GPUs (rc $rc, $(secs $t) s)"
     grep -E '^(##|\|)' "$LOGDIR/sharded.log" | head -n 40
+    [ "$rc" -eq 0 ] || tail -n 30 "$LOGDIR/sharded.log"
   else
     note "sharded_timing.py: NOT RUN (needs two GPUs, found ${gpus:-0})"
   fi

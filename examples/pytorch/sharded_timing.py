@@ -7,8 +7,9 @@ through NCCL between the two steps.
     torchrun --nproc-per-node 8 examples/pytorch/sharded_timing.py --dtypes bfloat16 --shapes 4
 
 Each rank holds tokens / world rows of x and times, per forward (ms, CUDA events around each run,
-runs of all variants interleaved in rounds, inputs rotating over >= 3 x L2, a barrier before each
-batch so that the ranks start their collectives together; the graphs rotate over at most 64):
+runs of all variants interleaved in rounds, inputs rotating over 3 x L2 in at most 256 copies, the
+graphs over at most 64 of them, a barrier before each batch so that the ranks start their
+collectives together):
 - local_amax: torch.ops.qbl.local_amax on the shard
 - all_reduce: qbl.all_reduce_amax, the integer MAX all-reduce of amax's bits (4 bytes)
 - from_amax: torch.ops.qbl.forward_from_amax on the shard
@@ -51,15 +52,23 @@ def parse_args():
     ap.add_argument("--warmup", type=int, default=20, help="untimed runs per variant")
     args = ap.parse_args()
     shapes = []
-    for tok in (t.strip().lower() for t in args.shapes.split(",")):
-        if tok in ("", "all"):
-            shapes += list(BENCH_SHAPES)
-        elif "x" in tok:
-            shapes.append(tuple(int(v) for v in tok.split("x")))
-        else:
-            shapes.append(BENCH_SHAPES[int(tok)])
+    try:
+        for tok in (t.strip().lower() for t in args.shapes.split(",")):
+            if tok in ("", "all"):
+                shapes += list(BENCH_SHAPES)
+            elif "x" in tok:
+                shapes.append(tuple(int(v) for v in tok.split("x")))
+                if len(shapes[-1]) != 3 or min(shapes[-1]) < 1:
+                    raise ValueError(f"{tok!r} is not BxTxD")
+            else:
+                shapes.append(BENCH_SHAPES[int(tok)])
+    except (ValueError, IndexError) as e:
+        ap.error(f"--shapes: {e}")
     args.shapes = shapes
-    args.dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",") if d.strip()]
+    names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not names or any(d not in DTYPES for d in names):
+        ap.error(f"--dtypes: choose from {', '.join(DTYPES)}")
+    args.dtypes = [DTYPES[d] for d in names]
     return args
 
 
