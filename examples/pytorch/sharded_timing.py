@@ -35,7 +35,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import qbl  # noqa: E402
-from reference import BENCH_SHAPES  # noqa: E402
+from compare import parse_shapes, shape_str  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_COPIES, MAX_GRAPHS = 256, 64  # input copies at most; graphs (one per copy) at most
@@ -51,20 +51,10 @@ def parse_args():
     ap.add_argument("--batch", type=int, default=20, help="runs of one variant per round")
     ap.add_argument("--warmup", type=int, default=20, help="untimed runs per variant")
     args = ap.parse_args()
-    shapes = []
     try:
-        for tok in (t.strip().lower() for t in args.shapes.split(",")):
-            if tok in ("", "all"):
-                shapes += list(BENCH_SHAPES)
-            elif "x" in tok:
-                shapes.append(tuple(int(v) for v in tok.split("x")))
-                if len(shapes[-1]) != 3 or min(shapes[-1]) < 1:
-                    raise ValueError(f"{tok!r} is not BxTxD")
-            else:
-                shapes.append(BENCH_SHAPES[int(tok)])
+        args.shapes = parse_shapes(args.shapes)
     except (ValueError, IndexError) as e:
         ap.error(f"--shapes: {e}")
-    args.shapes = shapes
     names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not names or any(d not in DTYPES for d in names):
         ap.error(f"--dtypes: choose from {', '.join(DTYPES)}")
@@ -186,7 +176,7 @@ def main():
                 cells = [f"{statistics.median(r[n] for r in every):.4f} / "
                          f"{max(r[n] for r in every):.4f}" for n in names]
                 rows = shape[0] * shape[1] // world
-                print(f"| {'x'.join(map(str, shape))} | {rows} | " + " | ".join(cells) + " |")
+                print(f"| {shape_str(shape)} | {rows} | " + " | ".join(cells) + " |")
             print(flush=True)
     dist.destroy_process_group()
 
