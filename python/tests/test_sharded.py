@@ -192,6 +192,19 @@ def test_shards_across_gpus_equal_one_gpu(tmp_path, axis, nan, graph):
     world = min(torch.cuda.device_count(), 8)
     if world < 2:
         pytest.skip("needs two CUDA devices")
+    _run_sharded_workers(tmp_path, world, axis, nan, graph)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["direct", "graph_replay"])
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan"])
+def test_sharded_worker_with_one_rank_equals_the_unsharded_layer(tmp_path, nan, graph):
+    """The multi-GPU test's worker as a one-process NCCL group on one GPU (its shard is the whole
+    x): the same launch, all-reduce inside a captured graph, replay and teardown, on any machine
+    with one GPU."""
+    _run_sharded_workers(tmp_path, 1, "tokens", nan, graph)
+
+
+def _run_sharded_workers(tmp_path, world, axis, nan, graph):
     if not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
         pytest.skip("torch.distributed with NCCL is not available")
     import subprocess
