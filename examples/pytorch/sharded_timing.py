@@ -35,9 +35,8 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import qbl  # noqa: E402
-from compare import parse_shapes, shape_str  # noqa: E402
+from compare import DTYPES, parse_shapes, shape_str  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_COPIES, MAX_GRAPHS = 256, 64  # input copies at most; graphs (one per copy) at most
 
 
