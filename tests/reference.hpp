@@ -108,29 +108,48 @@ inline float reference_fake_quant(DType t, float x, float scale) {
   return ref_op(t, static_cast<double>(q) * scale);
 }
 
-/// eager's mixed for one element, op by op: fp32 op, rounded to the dtype.
-inline float reference_mixed(DType t, float x, float alpha, float scale) {
-  const float xq = reference_fake_quant(t, x, scale);
-  const float oma = ref_op(t, 1.0 - static_cast<double>(alpha));
-  return ref_op(t, static_cast<double>(ref_op(t, static_cast<double>(alpha) * xq)) +
-                       static_cast<double>(ref_op(t, static_cast<double>(oma) * x)));
+/// eager's mixed for one element, op by op (each fp32 op rounded to its tensor's dtype), for x of
+/// dtype `xt`, logits of `lt` and a GEMM of `gt` (PyTorch's autocast: fp32 x, a bf16 gate and a
+/// bf16 GEMM): alpha is given (already rounded to `lt`), 1 - alpha is rounded to `lt`, x_q and
+/// the blend to `xt` (the promoted type of every supported combination), and F.linear's cast of
+/// `mixed` to the GEMM's dtype rounds once more.
+inline float reference_mixed(DType xt, DType lt, DType gt, float x, float alpha, float scale) {
+  const float xq = reference_fake_quant(xt, x, scale);
+  const float oma = ref_op(lt, 1.0 - static_cast<double>(alpha));
+  const float m = ref_op(xt, static_cast<double>(ref_op(xt, static_cast<double>(alpha) * xq)) +
+                                 static_cast<double>(ref_op(xt, static_cast<double>(oma) * x)));
+  return ref_round(gt, m);
 }
 
-/// eager's mixed [tokens, in] for x [tokens, in] (values of the dtype) and the per-token alpha
-/// (taken from the device's sigmoid, as eager's expf is the device's); amax and scale returned too.
-inline std::vector<float> reference_mixed(DType t, const std::vector<float>& x,
+/// One dtype throughout.
+inline float reference_mixed(DType t, float x, float alpha, float scale) {
+  return reference_mixed(t, t, t, x, alpha, scale);
+}
+
+/// eager's mixed [tokens, in] for x [tokens, in] (values of x's dtype) and the per-token alpha
+/// (taken from the device's sigmoid in the logits' dtype, as eager's expf is the device's); amax
+/// and scale (in x's dtype) returned too.
+inline std::vector<float> reference_mixed(DType xt, DType lt, DType gt, const std::vector<float>& x,
                                           const std::vector<float>& alpha, std::int64_t tokens,
                                           std::int64_t in, float* amax = nullptr,
                                           float* scale = nullptr) {
   const float a = reference_amax(x);
-  const float s = reference_scale(t, a);
+  const float s = reference_scale(xt, a);
   if (amax != nullptr) *amax = a;
   if (scale != nullptr) *scale = s;
   std::vector<float> m(static_cast<std::size_t>(tokens * in));
   for (std::int64_t r = 0; r < tokens; ++r)
     for (std::int64_t i = 0; i < in; ++i)
-      m[r * in + i] = reference_mixed(t, x[r * in + i], alpha[r], s);
+      m[r * in + i] = reference_mixed(xt, lt, gt, x[r * in + i], alpha[r], s);
   return m;
+}
+
+/// One dtype throughout.
+inline std::vector<float> reference_mixed(DType t, const std::vector<float>& x,
+                                          const std::vector<float>& alpha, std::int64_t tokens,
+                                          std::int64_t in, float* amax = nullptr,
+                                          float* scale = nullptr) {
+  return reference_mixed(t, t, t, x, alpha, tokens, in, amax, scale);
 }
 
 // ---- backward ---------------------------------------------------------------------------------
@@ -142,12 +161,19 @@ inline std::vector<float> reference_mixed(DType t, const std::vector<float>& x,
 /// torch.round's 0 through div's backward, 0 / scale: +0 for a positive scale (so -0 becomes +0),
 /// +0 for an infinite one, NaN for a NaN or zero scale. Straight-through (ModelSTE):
 /// RN(RN(g * alpha) + RN(g * RN(1 - alpha))).
-inline float reference_grad_x(DType t, float g, float alpha, float scale, bool straight_through) {
-  const float oma = ref_op(t, 1.0 - static_cast<double>(alpha));
+inline float reference_grad_x(DType t, float g, float alpha, float scale, bool straight_through,
+                              DType logits_t) {
+  const float oma = ref_op(logits_t, 1.0 - static_cast<double>(alpha));
   const float direct = ref_op(t, static_cast<double>(g) * oma);
   const float other = straight_through ? ref_op(t, static_cast<double>(g) * alpha)
                                        : ref_op(t, 0.0 / static_cast<double>(scale));
   return ref_op(t, static_cast<double>(other) + static_cast<double>(direct));
+}
+
+/// One dtype throughout. (With logits of another dtype -- PyTorch's autocast -- 1 - alpha is
+/// rounded to the logits' dtype and the products and sum to x's, the promoted type.)
+inline float reference_grad_x(DType t, float g, float alpha, float scale, bool straight_through) {
+  return reference_grad_x(t, g, alpha, scale, straight_through, t);
 }
 
 /// eager's sigmoid_backward after the two reductions, for grad_alpha = ga: RN(ga * (1 - alpha) *
@@ -176,19 +202,49 @@ inline float reference_sigmoid_backward(DType t, float ga, float alpha) {
 /// vacuous: E / sum |p| is under 2^-24 * n, while dropping sum_x, or using alpha for 1 - alpha,
 /// moves the result by about |sum_x| or |1 - 2 alpha| relative (ReferenceSelfCheck tests this).
 struct GradLogitRef {
-  bool nan = false;       ///< eager's result is NaN (a NaN term, x_q or alpha)
+  bool nan = false;       ///< eager's result is NaN (a NaN term, x_q or alpha; inf - inf in L)
   bool overflow = false;  ///< a sum is infinite: the result is not finite, its value not checked
-  float lo = 0, hi = 0;
+  /// Within the error bound a sum may or may not overflow (in the accumulator or in L): the
+  /// result is not finite, or finite within [lo, hi] (the finite ends of the intervals).
+  bool edge = false;
+  float lo = 0, hi = 0;              ///< what any summation order gives
+  float tight_lo = 0, tight_hi = 0;  ///< what qbl's compensated sums give (see below)
   double exact = 0;  ///< float64: (S_q - S_x) * (1 - alpha) * alpha, no rounding after the products
+
+  /// Does qbl's `got` agree: NaN for NaN, not finite for an overflow, else within both intervals.
+  bool admits(float got) const {
+    if (nan) return std::isnan(got);
+    if (overflow) return !std::isfinite(got);
+    if (edge) return !std::isfinite(got) || (lo <= got && got <= hi);
+    return lo <= got && got <= hi && tight_lo <= got && got <= tight_hi;
+  }
+  /// What admits() accepts, in words, with the float64 value.
+  std::string expected() const {
+    std::string e =
+        nan        ? "NaN"
+        : overflow ? "not finite"
+        : edge ? "not finite, or within [" + std::to_string(lo) + ", " + std::to_string(hi) + "]"
+               : "[" + std::to_string(tight_lo) + ", " + std::to_string(tight_hi) + "] within [" +
+                     std::to_string(lo) + ", " + std::to_string(hi) + "]";
+    return e + " (float64 " + std::to_string(exact) + ")";
+  }
 };
 
-inline GradLogitRef reference_grad_logit(DType t, const float* g, const float* x, std::int64_t n,
-                                         float alpha, float scale) {
+/// The interval above, for x of dtype `xt` and logits of `lt` (the products and sums in `xt`,
+/// each reduced sum cast to `lt` before the difference, as autograd does under autocast), and a
+/// tighter one for compensated sums: qbl's lanes each sum in Kahan's way (|error| <= 2u sum |p|
+/// to first order, u = 2^-24), after a pairwise sum of at most eight terms per vector on the
+/// 16-bit path (at most 3u sum |p| more), the lanes merged by exact two-sums, and the result
+/// formed by one more rounding (u |S| <= u sum |p|): E = 6u sum |p| plus a second-order n u^2
+/// term (2^-40 n sum |p| covers it with room). Not valid for a plain fp32 sum, whose error grows
+/// with n.
+inline GradLogitRef reference_grad_logit(DType xt, DType lt, const float* g, const float* x,
+                                         std::int64_t n, float alpha, float scale) {
   double sq = 0, sx = 0, aq = 0, ax = 0;
   for (std::int64_t i = 0; i < n; ++i) {
-    const float xq = reference_fake_quant(t, x[i], scale);
-    const double pq = ref_op(t, static_cast<double>(g[i]) * xq);
-    const double px = ref_op(t, static_cast<double>(g[i]) * x[i]);
+    const float xq = reference_fake_quant(xt, x[i], scale);
+    const double pq = ref_op(xt, static_cast<double>(g[i]) * xq);
+    const double px = ref_op(xt, static_cast<double>(g[i]) * x[i]);
     sq += pq;
     sx += px;
     aq += std::fabs(pq);
@@ -205,16 +261,40 @@ inline GradLogitRef reference_grad_logit(DType t, const float* g, const float* x
     return r;
   }
   // (The float64 sums themselves err by about n * 2^-53 * sum |p|: a 2^-50 margin covers that.)
-  const double eq = (static_cast<double>(n - 1) * 0x1p-24 + static_cast<double>(n) * 0x1p-50) * aq;
-  const double ex = (static_cast<double>(n - 1) * 0x1p-24 + static_cast<double>(n) * 0x1p-50) * ax;
+  const double any = static_cast<double>(n - 1) * 0x1p-24 + static_cast<double>(n) * 0x1p-50;
+  const double tight = 6 * 0x1p-24 + static_cast<double>(n) * 0x1p-40;
   auto steps = [&](double q, double xs) {
-    const float rq = ref_op(t, q), rx = ref_op(t, xs);
-    const float ga = ref_op(t, static_cast<double>(rq) - rx);
-    return reference_sigmoid_backward(t, ga, alpha);
+    const float rq = ref_round(lt, ref_op(xt, q)), rx = ref_round(lt, ref_op(xt, xs));
+    const float ga = ref_op(lt, static_cast<double>(rq) - rx);
+    return reference_sigmoid_backward(lt, ga, alpha);
   };
-  r.lo = steps(sq - eq, sx + ex);
-  r.hi = steps(sq + eq, sx - ex);
+  r.lo = steps(sq - any * aq, sx + any * ax);
+  r.hi = steps(sq + any * aq, sx - any * ax);
+  r.tight_lo = steps(sq - tight * aq, sx + tight * ax);
+  r.tight_hi = steps(sq + tight * aq, sx - tight * ax);
+  // Sums finite in float64 can still overflow when rounded to the accumulator or to L (a 16-bit
+  // L holds at most 65504 or so): inf - inf there is NaN, one infinite sum an infinite result.
+  const float ends[4] = {r.lo, r.hi, r.tight_lo, r.tight_hi};
+  int nans = 0, finite = 0;
+  float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+  for (float e : ends) {
+    nans += std::isnan(e);
+    if (std::isfinite(e)) ++finite, lo = std::min(lo, e), hi = std::max(hi, e);
+  }
+  if (nans == 4) {
+    r.nan = true;
+  } else if (finite == 0) {
+    r.overflow = true;
+  } else if (finite < 4) {
+    r.edge = true, r.lo = lo, r.hi = hi;
+  }
   return r;
+}
+
+/// One dtype throughout.
+inline GradLogitRef reference_grad_logit(DType t, const float* g, const float* x, std::int64_t n,
+                                         float alpha, float scale) {
+  return reference_grad_logit(t, t, g, x, n, alpha, scale);
 }
 
 /// grad_w[o, i] = sum_t g[t, o] * a[t, i] (+ old[o, i]), in double. g [tokens, out], a [tokens,

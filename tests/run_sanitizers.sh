@@ -10,9 +10,6 @@
 # GEMM (hundreds of timed cuBLASLt runs, no qbl kernel among them); the graph test replays 200
 # times instead of 10,000 and the four threads run 5 forwards each instead of 50.
 #
-# Left out of memcheck: the one-pass prologue's refused-launch test, whose refused cooperative
-# launch (and, during capture, the invalidated capture) is the point of the test but counts as
-# API errors to memcheck (the other tools run it).
 # Left out everywhere: the huge-tensor case (tens of GiB; many minutes under memcheck), the
 # 2^24-element amax cases, the out-of-memory test, whose failing cudaMalloc is the point of
 # the test but counts as an API error to the tools, and the exhaustive 16-bit operand sweeps of
@@ -95,9 +92,7 @@ status=0
 runs=0
 for tool in "${tools[@]}"; do
   filter="-$exclude"
-  if [ "$tool" = memcheck ]; then
-    filter="$filter:*RefusedLaunchFallsBack*"
-  else
+  if [ "$tool" != memcheck ]; then
     filter="$filter:*Autotune*:*Determinism*"
   fi
   for t in "${binaries[@]}"; do

@@ -10,6 +10,10 @@
 template class qbl::QuantBlendLinear<float>;
 template class qbl::QuantBlendLinear<__nv_bfloat16>;
 template class qbl::QuantBlendLinear<__half>;
+template class qbl::QuantBlendLinear<float, __nv_bfloat16>;
+template class qbl::QuantBlendLinear<float, __nv_bfloat16, __nv_bfloat16>;
+template class qbl::QuantBlendLinear<float, __half>;
+template class qbl::QuantBlendLinear<float, __half, __half>;
 template cudaError_t qbl::amax<__nv_bfloat16>(const __nv_bfloat16*, std::int64_t, float*,
                                               cudaStream_t);
 template cudaError_t qbl::amax<__half>(const __half*, std::int64_t, float*, cudaStream_t);

@@ -23,9 +23,12 @@ TEST(QuantBlend, RejectsBadArgumentsWithoutLaunching) {
   EXPECT_EQ(qbl::quant_blend<float>(&d, nullptr, &d, &d, 4, 4), cudaErrorInvalidValue);
   EXPECT_EQ(qbl::quant_blend<float>(&d, &d, nullptr, &d, 4, 4), cudaErrorInvalidValue);
   EXPECT_EQ(qbl::quant_blend<float>(&d, &d, &d, nullptr, 4, 4), cudaErrorInvalidValue);
-  EXPECT_EQ(qbl::amax_quant_blend<float>(&d, &d, &d, 4, 4, nullptr, nullptr),
+  EXPECT_EQ(qbl::amax_quant_blend<float>(&d, &d, &d, 4, 4, nullptr, &d, &d), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::amax_quant_blend<float>(&d, &d, &d, 4, 4, &d, nullptr, &d), cudaErrorInvalidValue);
+  EXPECT_EQ(qbl::amax_quant_blend<float>(&d, &d, &d, 4, -4, &d, &d, &d), cudaErrorInvalidValue);
+  // Past the single-block size the per-block maxima need the workspace.
+  EXPECT_EQ(qbl::amax_quant_blend<float>(&d, &d, &d, 1 << 10, 1 << 10, &d, &d, nullptr),
             cudaErrorInvalidValue);
-  EXPECT_EQ(qbl::amax_quant_blend<float>(&d, &d, &d, 4, -4, &d, nullptr), cudaErrorInvalidValue);
   // tokens == 0 is a no-op, null buffers allowed.
   EXPECT_EQ(qbl::quant_blend<float>(nullptr, nullptr, &d, nullptr, 0, 4), cudaSuccess);
 }
@@ -84,8 +87,11 @@ class QuantBlendDevice : public ::testing::TestWithParam<Case> {
       QBL_ASSERT_CUDA(qbl::quant_blend(dx.get(offset), dl.get(), d_amax, dm.get(offset), tokens,
                                        features, d_scale));
     } else {
+      // The workspace poisoned: the prologue must need no initialized workspace.
+      qbl_test::DeviceArray<unsigned char> ws(qbl::amax_quant_blend_workspace_bytes);
+      QBL_ASSERT_CUDA(cudaMemset(ws.get(), qbl_test::poison_byte, ws.size()));
       QBL_ASSERT_CUDA(qbl::amax_quant_blend(dx.get(offset), dl.get(), dm.get(offset), tokens,
-                                            features, d_amax, d_scale));
+                                            features, d_amax, d_scale, ws.get()));
     }
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
     std::vector<float> got(n), stats(2);
@@ -204,8 +210,11 @@ TYPED_TEST(QuantBlendDevice16, MatchesCpuOpByOp) {
         QBL_ASSERT_CUDA(qbl::quant_blend(dx.get(sh.offset), dl.get(), dstats.get(),
                                          dm.get(sh.offset), sh.tokens, sh.features, dstats.get(1)));
       } else {
+        qbl_test::DeviceArray<unsigned char> ws(qbl::amax_quant_blend_workspace_bytes);
+        QBL_ASSERT_CUDA(cudaMemset(ws.get(), qbl_test::poison_byte, ws.size()));
         QBL_ASSERT_CUDA(qbl::amax_quant_blend(dx.get(sh.offset), dl.get(), dm.get(sh.offset),
-                                              sh.tokens, sh.features, dstats.get(), dstats.get(1)));
+                                              sh.tokens, sh.features, dstats.get(), dstats.get(1),
+                                              ws.get()));
       }
       std::vector<float> alpha(sh.tokens), stats(2);
       std::vector<T> got(n);
@@ -220,6 +229,96 @@ TYPED_TEST(QuantBlendDevice16, MatchesCpuOpByOp) {
       EXPECT_EQ(bits(stats[1]), bits(scale));
       EXPECT_TRUE(
           qbl_test::bits_equal(qbl_test::widen(got), want, static_cast<std::size_t>(sh.features)));
+    }
+  }
+}
+
+}  // namespace
+
+// ---- fp32 x with a bf16 / fp16 mixed (PyTorch's autocast) -----------------------------------
+
+namespace {
+
+template <typename G, typename L>
+struct MixedTypes {
+  using gemm = G;
+  using logits = L;
+};
+using MixedTypeList =
+    ::testing::Types<MixedTypes<__nv_bfloat16, float>, MixedTypes<__nv_bfloat16, __nv_bfloat16>,
+                     MixedTypes<__half, float>, MixedTypes<__half, __half>>;
+struct MixedTypeNames {
+  template <typename M>
+  static std::string GetName(int) {
+    return std::string("fp32_to_") + qbl_test::dtype_name(qbl_test::dtype_of<typename M::gemm>()) +
+           "_logits_" + qbl_test::dtype_name(qbl_test::dtype_of<typename M::logits>());
+  }
+};
+
+template <typename M>
+class QuantBlendMixedTypes : public ::testing::Test {};
+TYPED_TEST_SUITE(QuantBlendMixedTypes, MixedTypeList, MixedTypeNames);
+
+// alpha and 1 - alpha rounded to the logits' type, the blend in fp32, mixed rounded once to the
+// GEMM's type: eager's mixed.to(G) under autocast, bit for bit, both prologues, vector and
+// element-by-element paths; amax and scale in fp32.
+TYPED_TEST(QuantBlendMixedTypes, MixedIsEagersCastOfTheFp32Blend) {
+  QBL_REQUIRE_GPU();
+  using G = typename TypeParam::gemm;
+  using L = typename TypeParam::logits;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const qbl_test::DType gt = qbl_test::dtype_of<G>(), lt = qbl_test::dtype_of<L>();
+  struct Shape {
+    std::int64_t tokens, features;
+    std::size_t offset;
+  };
+  for (const Shape sh : {Shape{3, 7, 0}, Shape{65, 217, 1}, Shape{8, 1024, 0}, Shape{2049, 512, 0},
+                         Shape{257, 768, 1}, Shape{33, 4096, 0}}) {
+    for (Path path : {Path::two_stage, Path::combined}) {
+      SCOPED_TRACE("tokens " + std::to_string(sh.tokens) + " features " +
+                   std::to_string(sh.features) + " offset " + std::to_string(sh.offset) +
+                   (path == Path::two_stage ? " two-stage" : " combined"));
+      const auto n = static_cast<std::size_t>(sh.tokens * sh.features);
+      std::vector<float> x = qbl_test::randn(n, seed);
+      x[n / 3] = -0.0f;
+      const std::vector<L> l = qbl_test::convert<L>(qbl_test::randn(sh.tokens, seed + 1, 2.0f));
+      qbl_test::DeviceArray<float> dx(n + sh.offset), dalpha(sh.tokens), dstats(2);
+      qbl_test::DeviceArray<L> dl(sh.tokens);
+      qbl_test::DeviceArray<G> dm(n + sh.offset);
+      QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(sh.offset), x));
+      QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(), l));
+      QBL_ASSERT_CUDA(cudaMemset(dm.get(), qbl_test::poison_byte, (n + sh.offset) * sizeof(G)));
+      device_sigmoid_t<L><<<static_cast<unsigned>((sh.tokens + 255) / 256), 256>>>(
+          dl.get(), dalpha.get(), sh.tokens);
+      QBL_ASSERT_CUDA(cudaGetLastError());
+      if (path == Path::two_stage) {
+        QBL_ASSERT_CUDA(qbl::amax(dx.get(sh.offset), sh.tokens * sh.features, dstats.get()));
+        QBL_ASSERT_CUDA((qbl::quant_blend<float, G, L>(dx.get(sh.offset), dl.get(), dstats.get(),
+                                                       dm.get(sh.offset), sh.tokens, sh.features,
+                                                       dstats.get(1))));
+      } else {
+        qbl_test::DeviceArray<unsigned char> ws(qbl::amax_quant_blend_workspace_bytes);
+        QBL_ASSERT_CUDA((qbl::amax_quant_blend<float, G, L>(
+            dx.get(sh.offset), dl.get(), dm.get(sh.offset), sh.tokens, sh.features, dstats.get(),
+            dstats.get(1), ws.get())));
+      }
+      std::vector<float> alpha(sh.tokens), stats(2);
+      std::vector<G> got(n + sh.offset);
+      QBL_ASSERT_CUDA(qbl_test::to_host(alpha, dalpha.get()));
+      QBL_ASSERT_CUDA(qbl_test::to_host(stats, dstats.get()));
+      QBL_ASSERT_CUDA(qbl_test::to_host(got, dm.get()));
+      float amax = 0, scale = 0;
+      const std::vector<float> want = qbl_test::reference_mixed(
+          qbl_test::DType::fp32, lt, gt, x, alpha, sh.tokens, sh.features, &amax, &scale);
+      EXPECT_EQ(bits(stats[0]), bits(amax));
+      EXPECT_EQ(bits(stats[1]), bits(scale));
+      const std::vector<float> all = qbl_test::widen(got);
+      const std::vector<float> mixed(all.begin() + static_cast<std::ptrdiff_t>(sh.offset),
+                                     all.end());
+      EXPECT_TRUE(qbl_test::bits_equal(mixed, want, static_cast<std::size_t>(sh.features)));
+      for (std::size_t i = 0; i < sh.offset; ++i)
+        EXPECT_TRUE(std::isnan(all[i])) << "wrote before the output";
     }
   }
 }

@@ -1,15 +1,19 @@
-// qbl::QuantBlendLinear<T>::backward against the independent reference of tests/reference.hpp:
-// identity weights (g_mixed == grad_out, so grad_x is checked bit for bit end to end), general
-// shapes in fp32, TF32, bf16 and fp16 with pointer offsets, requested subsets and accumulation,
-// non-finite inputs, bad input, CUDA graphs, and a randomized property test.
+// qbl::QuantBlendLinear<X, G, L>::backward against the independent reference of
+// tests/reference.hpp: identity weights (g_mixed == grad_out, so grad_x is checked bit for bit end
+// to end), general shapes in fp32, TF32, bf16, fp16 and fp32 -> bf16/fp16 (PyTorch's autocast)
+// with pointer offsets, requested subsets and accumulation, both ways of forming grad_bias and
+// wgrad beside or after dgrad, non-finite inputs, bad input, CUDA graphs, and a randomized
+// property test.
 //
 // How grad_x and grad_logits are checked for a general weight: g_mixed = RN(grad_out · W) is a
 // GEMM whose bits no CPU reference reproduces, so the test first reads the layer's own g_mixed
 // with a probe backward (logits all -Inf, so alpha = 0, 1 - alpha = 1, and a scale of 1: grad_x =
 // RN(RN(g * 1) + 0 / 1) = g, -0 read as +0), checks it against a float64 product, then computes
-// grad_x (bit for bit) and grad_logits (an interval valid for every summation order) from it. The
-// probe runs the same dgrad plan on pointers of the same alignment class, so it gets the same
-// algorithm and the same bits (cuBLASLt's default choice is deterministic; so is the fallback).
+// grad_x (bit for bit) and grad_logits (intervals valid for the compensated sums and for every
+// summation order) from it. The probe runs the same dgrad plan on pointers of the same alignment
+// class, so it gets the same algorithm and the same bits (cuBLASLt's default choice is
+// deterministic; so is the fallback). The GEMM-derived outputs -- g_mixed, grad_weight,
+// grad_bias -- are held element by element to the bounds of tests/tolerance.hpp.
 //
 // QBL_BACKWARD_PROPERTY_CASES (default: QBL_PROPERTY_CASES, else 1000) and QBL_PROPERTY_SEED
 // (default: fresh) control the random run; a failure prints the seed and the case, and the seed
@@ -19,6 +23,7 @@
 #include "reference.hpp"
 #include "test_support.hpp"
 #include "test_support_device.cuh"
+#include "tolerance.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -44,9 +49,15 @@ const float nan = std::numeric_limits<float>::quiet_NaN();
 
 enum Want : unsigned { want_x = 1, want_logits = 2, want_weight = 4, want_bias = 8, want_all = 15 };
 
-/// One backward problem: sizes, dtype, layout and what is asked for.
+const char* choice_name(qbl::Choice c) {
+  return c == qbl::Choice::yes ? "yes" : (c == qbl::Choice::no ? "no" : "by_shape");
+}
+
+/// One backward problem: sizes, dtypes, layout, the plan's choices and what is asked for.
 struct BwdCase {
-  DType dtype = DType::fp32;
+  DType dtype = DType::fp32;       ///< x's (tf32: fp32 with TF32 GEMMs)
+  DType gemm = DType::tf32;        ///< the GEMM's; tf32 here means "as dtype"
+  bool gate_in_gemm_type = false;  ///< logits in the GEMM's type (else in x's)
   std::int64_t tokens = 1, in = 1, out = 1, max_tokens = 1;
   std::size_t in_off =
       0;  ///< elements before every input buffer (x, logits, weight, bias, grad_out, mixed)
@@ -54,7 +65,15 @@ struct BwdCase {
   bool bias = true, ste = false, accumulate = false, identity = false;
   unsigned want = want_all;
   float x_std = 1.0f;
+  qbl::Choice overlap = qbl::Choice::by_shape, bias_epilogue = qbl::Choice::by_shape;
   std::uint64_t seed = 0;
+
+  DType x_type() const { return dtype == DType::tf32 ? DType::fp32 : dtype; }
+  /// The GEMM's arithmetic (tf32 stays tf32).
+  DType gemm_mode() const { return gemm == DType::tf32 ? dtype : gemm; }
+  /// The GEMM's storage.
+  DType g_type() const { return gemm_mode() == DType::tf32 ? DType::fp32 : gemm_mode(); }
+  DType l_type() const { return gate_in_gemm_type ? g_type() : x_type(); }
 
   std::string describe() const {
     std::string w;
@@ -63,16 +82,21 @@ struct BwdCase {
                              {want_weight, "weight"},
                              {want_bias, "bias"}})
       if (want & bit) w += std::string(w.empty() ? "" : ",") + name;
-    return std::string(qbl_test::dtype_name(dtype)) + " tokens " + std::to_string(tokens) + " in " +
-           std::to_string(in) + " out " + std::to_string(out) + " max_tokens " +
+    const std::string types = gemm_mode() == dtype && l_type() == x_type()
+                                  ? ""
+                                  : std::string(" gemm ") + qbl_test::dtype_name(g_type()) +
+                                        " logits " + qbl_test::dtype_name(l_type());
+    return std::string(qbl_test::dtype_name(dtype)) + types + " tokens " + std::to_string(tokens) +
+           " in " + std::to_string(in) + " out " + std::to_string(out) + " max_tokens " +
            std::to_string(max_tokens) + " in_off " + std::to_string(in_off) + " out_off " +
            std::to_string(out_off) + (bias ? " bias" : " no-bias") + (ste ? " ste" : " zero") +
            (accumulate ? " accumulate" : "") + (identity ? " identity-W" : "") + " grads {" + w +
-           "} x_std " + std::to_string(x_std) + " seed " + std::to_string(seed);
+           "} x_std " + std::to_string(x_std) + " overlap " + choice_name(overlap) +
+           " bias-epilogue " + choice_name(bias_epilogue) + " seed " + std::to_string(seed);
   }
 };
 
-/// A case's inputs, every value representable in the dtype.
+/// A case's inputs, every value representable in its tensor's dtype.
 struct BwdData {
   std::vector<float> x, logits, w, b, grad_out, old_w, old_b;
 };
@@ -80,26 +104,26 @@ struct BwdData {
 BwdData make_data(const BwdCase& c) {
   std::mt19937_64 gen(c.seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  auto rt = [&](float v) { return qbl_test::ref_round(c.dtype, v); };
-  auto fill = [&](std::vector<float>& v, std::int64_t n, float sd) {
+  auto fill = [&](std::vector<float>& v, std::int64_t n, float sd, DType t) {
     v.resize(static_cast<std::size_t>(n));
-    for (auto& e : v) e = rt(sd * nd(gen));
+    for (auto& e : v) e = qbl_test::ref_round(t, sd * nd(gen));
   };
   BwdData d;
-  fill(d.x, c.tokens * c.in, c.x_std);
-  fill(d.logits, c.tokens, 2.0f);
-  fill(d.w, c.out * c.in, 1.0f / std::sqrt(static_cast<float>(c.in)));
+  const DType xt = c.x_type(), gt = c.g_type(), lt = c.l_type();
+  fill(d.x, c.tokens * c.in, c.x_std, xt);
+  fill(d.logits, c.tokens, 2.0f, lt);
+  fill(d.w, c.out * c.in, 1.0f / std::sqrt(static_cast<float>(c.in)), gt);
   if (c.identity) {
     for (std::int64_t o = 0; o < c.out; ++o)
       for (std::int64_t i = 0; i < c.in; ++i) d.w[o * c.in + i] = o == i ? 1.0f : 0.0f;
   }
-  fill(d.b, c.out, 1.0f);
-  fill(d.grad_out, c.tokens * c.out, 1.0f);
+  fill(d.b, c.out, 1.0f, gt);
+  fill(d.grad_out, c.tokens * c.out, 1.0f, gt);
   // Signed zeros in grad_out: the zero mode must give +0 for them.
   for (std::size_t i = 0; i < d.grad_out.size(); i += 13) d.grad_out[i] = -0.0f;
   for (std::size_t i = 5; i < d.grad_out.size(); i += 17) d.grad_out[i] = 0.0f;
-  fill(d.old_w, c.out * c.in, 0.5f);
-  fill(d.old_b, c.out, 2.0f);
+  fill(d.old_w, c.out * c.in, 0.5f, gt);
+  fill(d.old_b, c.out, 2.0f, gt);
   return d;
 }
 
@@ -107,7 +131,8 @@ BwdData make_data(const BwdCase& c) {
 struct BwdResult {
   std::vector<float> alpha, mixed, g_mixed, gx, gl, gw, gb;
   float amax = 0, scale = 0;
-  bool forward_cublaslt = true;  ///< the forward's GEMM ran on cuBLASLt
+  bool forward_cublaslt = true;                         ///< the forward's GEMM ran on cuBLASLt
+  bool overlapped = false, bias_from_epilogue = false;  ///< the backward plan's choices
 };
 
 template <typename T>
@@ -145,11 +170,14 @@ std::vector<float> read_output(const qbl_test::DeviceArray<T>& d, std::size_t of
 }
 
 /// Device buffers of one problem. Inputs at in_off, gradient outputs at out_off.
-template <typename T>
+template <typename X, typename G = X, typename L = X>
 struct BwdBuffers {
+  using Layer = qbl::QuantBlendLinear<X, G, L>;
   const BwdCase& c;
   std::size_t nx, nw, ng;
-  qbl_test::DeviceArray<T> x, l, w, b, go, out, mixed, gx, gl, gw, gb, l_probe, probe;
+  qbl_test::DeviceArray<X> x, gx, probe;
+  qbl_test::DeviceArray<L> l, gl, l_probe;
+  qbl_test::DeviceArray<G> w, b, go, out, mixed, gw, gb;
   qbl_test::DeviceArray<float> stats, stats_probe, alpha;
 
   explicit BwdBuffers(const BwdCase& k)
@@ -158,18 +186,18 @@ struct BwdBuffers {
         nw(static_cast<std::size_t>(k.out * k.in)),
         ng(static_cast<std::size_t>(k.tokens * k.out)),
         x(nx + k.in_off),
+        gx(nx + k.out_off),
+        probe(nx),
         l(k.tokens + k.in_off),
+        gl(k.tokens + k.out_off),
+        l_probe(k.tokens),
         w(nw + k.in_off),
         b(k.out + k.in_off),
         go(ng + k.in_off),
         out(ng + k.in_off),
         mixed(nx + k.in_off),
-        gx(nx + k.out_off),
-        gl(k.tokens + k.out_off),
         gw(nw + k.out_off),
         gb(k.out + k.out_off),
-        l_probe(k.tokens),
-        probe(nx),
         stats(2),
         stats_probe(2),
         alpha(k.tokens) {}
@@ -180,13 +208,13 @@ struct BwdBuffers {
   }
   cudaError_t upload(const BwdData& d) {
     const std::size_t o = c.in_off;
-    cudaError_t e = qbl_test::to_device(x.get(o), qbl_test::convert<T>(d.x));
-    if (e == cudaSuccess) e = qbl_test::to_device(l.get(o), qbl_test::convert<T>(d.logits));
-    if (e == cudaSuccess) e = qbl_test::to_device(w.get(o), qbl_test::convert<T>(d.w));
-    if (e == cudaSuccess) e = qbl_test::to_device(b.get(o), qbl_test::convert<T>(d.b));
-    if (e == cudaSuccess) e = qbl_test::to_device(go.get(o), qbl_test::convert<T>(d.grad_out));
+    cudaError_t e = qbl_test::to_device(x.get(o), qbl_test::convert<X>(d.x));
+    if (e == cudaSuccess) e = qbl_test::to_device(l.get(o), qbl_test::convert<L>(d.logits));
+    if (e == cudaSuccess) e = qbl_test::to_device(w.get(o), qbl_test::convert<G>(d.w));
+    if (e == cudaSuccess) e = qbl_test::to_device(b.get(o), qbl_test::convert<G>(d.b));
+    if (e == cudaSuccess) e = qbl_test::to_device(go.get(o), qbl_test::convert<G>(d.grad_out));
     if (e == cudaSuccess)
-      e = qbl_test::to_device(l_probe.get(), std::vector<T>(c.tokens, qbl_test::from_f<T>(-inf)));
+      e = qbl_test::to_device(l_probe.get(), std::vector<L>(c.tokens, qbl_test::from_f<L>(-inf)));
     const float probe_stats[2] = {1.0f, 1.0f};
     if (e == cudaSuccess)
       e = cudaMemcpy(stats_probe.get(), probe_stats, sizeof probe_stats, cudaMemcpyHostToDevice);
@@ -198,76 +226,89 @@ struct BwdBuffers {
     // The probe's target too: its dgrad output is read back by the element kernel, and
     // compute-sanitizer's initcheck does not count the bf16/fp16 cuBLASLt kernels' writes as
     // initializing (it flagged that read when the buffer was fresh).
-    for (auto* a : {&gx, &gl, &gw, &gb, &probe})
+    auto fill = [&](auto& a) {
+      using E = std::remove_pointer_t<decltype(a.get())>;
       if (e == cudaSuccess)
-        e = cudaMemset(a->get(), qbl_test::poison_byte, (a->size() + 16 / sizeof(T)) * sizeof(T));
+        e = cudaMemset(a.get(), qbl_test::poison_byte, (a.size() + 16 / sizeof(E)) * sizeof(E));
+    };
+    fill(gx), fill(gl), fill(gw), fill(gb), fill(probe);
     if (c.accumulate && (c.want & want_weight) && e == cudaSuccess)
-      e = qbl_test::to_device(gw.get(c.out_off), qbl_test::convert<T>(d.old_w));
+      e = qbl_test::to_device(gw.get(c.out_off), qbl_test::convert<G>(d.old_w));
     if (c.accumulate && (c.want & want_bias) && e == cudaSuccess)
-      e = qbl_test::to_device(gb.get(c.out_off), qbl_test::convert<T>(d.old_b));
+      e = qbl_test::to_device(gb.get(c.out_off), qbl_test::convert<G>(d.old_b));
     return e;
   }
-  typename qbl::QuantBlendLinear<T>::Gradients grads() const {
-    typename qbl::QuantBlendLinear<T>::Gradients g;
-    if (c.want & want_x) g.x = gx.get(c.out_off);
-    if (c.want & want_logits) g.logits = gl.get(c.out_off);
-    if (c.want & want_weight) g.weight = gw.get(c.out_off);
-    if (c.want & want_bias) g.bias = gb.get(c.out_off);
-    g.accumulate = c.accumulate;
-    g.quant_grad = c.ste ? qbl::QuantGrad::straight_through : qbl::QuantGrad::zero;
-    return g;
-  }
-  void forward(qbl::QuantBlendLinear<T>& layer, cudaStream_t s = nullptr) {
+  typename Layer::ForwardArguments forward_args() {
     const std::size_t o = c.in_off;
-    layer.forward(x.get(o), l.get(o), w.get(o), c.bias ? b.get(o) : nullptr, out.get(o), c.tokens,
-                  mixed.get(o), stats.get(), s);
+    typename Layer::ForwardArguments a;
+    a.x = x.get(o), a.logits = l.get(o), a.weight = w.get(o), a.bias = c.bias ? b.get(o) : nullptr;
+    a.out = out.get(o), a.mixed = mixed.get(o), a.stats = stats.get(), a.tokens = c.tokens;
+    return a;
   }
-  void backward(qbl::QuantBlendLinear<T>& layer, cudaStream_t s = nullptr) {
+  /// The case's backward: every input, and the wanted outputs.
+  typename Layer::BackwardArguments args() {
     const std::size_t o = c.in_off;
-    layer.backward(go.get(o), x.get(o), l.get(o), w.get(o), mixed.get(o), stats.get(), c.tokens,
-                   grads(), s);
+    typename Layer::BackwardArguments a;
+    a.grad_out = go.get(o), a.x = x.get(o), a.logits = l.get(o), a.weight = w.get(o);
+    a.mixed = mixed.get(o), a.stats = stats.get(), a.tokens = c.tokens;
+    if (c.want & want_x) a.grad_x = gx.get(c.out_off);
+    if (c.want & want_logits) a.grad_logits = gl.get(c.out_off);
+    if (c.want & want_weight) a.grad_weight = gw.get(c.out_off);
+    if (c.want & want_bias) a.grad_bias = gb.get(c.out_off);
+    a.accumulate = c.accumulate;
+    a.quant_grad = c.ste ? qbl::QuantGrad::straight_through : qbl::QuantGrad::zero;
+    return a;
   }
-  /// The layer's g_mixed for this case's pointers (see the top of the file).
-  T* probe_target() { return (c.want & want_x) ? gx.get(c.out_off) : probe.get(); }
-  void run_probe(qbl::QuantBlendLinear<T>& layer) {
-    typename qbl::QuantBlendLinear<T>::Gradients g;
-    g.x = probe_target();
-    const std::size_t o = c.in_off;
-    layer.backward(go.get(o), x.get(o), l_probe.get(), w.get(o), mixed.get(o), stats_probe.get(),
-                   c.tokens, g);
+  void forward(Layer& layer, cudaStream_t s = nullptr) { layer.forward(forward_args(), s); }
+  void backward(Layer& layer, cudaStream_t s = nullptr) { layer.backward(args(), s); }
+  /// The layer's g_mixed for this case's pointers (see the top of the file): where grad_x is
+  /// formed when it is wanted (and of the GEMM's type), else in the layer's workspace.
+  X* probe_target() { return (c.want & want_x) ? gx.get(c.out_off) : probe.get(); }
+  void run_probe(Layer& layer) {
+    typename Layer::BackwardArguments a = args();
+    a.logits = l_probe.get(), a.stats = stats_probe.get();
+    a.grad_x = probe_target(), a.grad_logits = nullptr, a.grad_weight = nullptr;
+    a.grad_bias = nullptr;
+    layer.backward(a);
   }
 };
 
+qbl::Options backward_options(const BwdCase& c) {
+  qbl::Options o;
+  o.backward = true;
+  o.allow_tf32 = c.gemm_mode() == DType::tf32;
+  o.overlap_wgrad = c.overlap;
+  o.bias_from_epilogue = c.bias_epilogue;
+  return o;
+}
+
 /// forward (caller mixed/stats) -> probe -> backward on fresh buffers; reads everything back.
-template <typename T>
+template <typename X, typename G, typename L>
 BwdResult run_backward(const BwdCase& c, const BwdData& d) {
   BwdResult r;
-  BwdBuffers<T> buf(c);
+  BwdBuffers<X, G, L> buf(c);
   EXPECT_TRUE(buf.ok());
   EXPECT_EQ(buf.upload(d), cudaSuccess);
   EXPECT_EQ(buf.poison(d), cudaSuccess);
-  qbl::Options o;
-  o.backward = true;
-  o.allow_tf32 = c.dtype == DType::tf32;
-  qbl::QuantBlendLinear<T> layer(c.in, c.out, c.max_tokens, o);
+  qbl::QuantBlendLinear<X, G, L> layer(c.in, c.out, c.max_tokens, backward_options(c));
   buf.forward(layer);
   const bool dgrad = (c.want & (want_x | want_logits)) != 0;
   if (dgrad) {
     buf.run_probe(layer);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<T> g(buf.nx);
+    std::vector<X> g(buf.nx);
     EXPECT_EQ(qbl_test::to_host(g, buf.probe_target()), cudaSuccess);
     r.g_mixed = qbl_test::widen(g);
     EXPECT_EQ(buf.poison(d), cudaSuccess);
   }
   buf.backward(layer);
-  qbl_test::device_sigmoid_t<T><<<static_cast<unsigned>((c.tokens + 255) / 256), 256>>>(
+  qbl_test::device_sigmoid_t<L><<<static_cast<unsigned>((c.tokens + 255) / 256), 256>>>(
       buf.l.get(c.in_off), buf.alpha.get(), c.tokens);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   r.alpha.resize(static_cast<std::size_t>(c.tokens));
   EXPECT_EQ(qbl_test::to_host(r.alpha, buf.alpha.get()), cudaSuccess);
-  std::vector<T> m(buf.nx);
+  std::vector<G> m(buf.nx);
   EXPECT_EQ(qbl_test::to_host(m, buf.mixed.get(c.in_off)), cudaSuccess);
   r.mixed = qbl_test::widen(m);
   float stats[2] = {};
@@ -280,82 +321,51 @@ BwdResult run_backward(const BwdCase& c, const BwdData& d) {
                      "grad_logits");
   r.gw = read_output(buf.gw, oo, buf.nw, c.want & want_weight, "grad_weight");
   r.gb = read_output(buf.gb, oo, static_cast<std::size_t>(c.out), c.want & want_bias, "grad_bias");
-  r.forward_cublaslt =
-      layer.uses_cublaslt(buf.w.get(c.in_off), nullptr, buf.out.get(c.in_off), c.tokens);
+  auto fa = buf.forward_args();
+  fa.bias = nullptr;
+  r.forward_cublaslt = layer.uses_cublaslt(fa);
+  r.overlapped = layer.backward_plan()->overlaps(c.tokens);
+  r.bias_from_epilogue = layer.backward_plan()->bias_from_epilogue();
   return r;
 }
 
 BwdResult run_backward(const BwdCase& c, const BwdData& d) {
+  const DType g = c.g_type();
+  if (c.x_type() == DType::fp32 && g != DType::fp32) {
+    const bool gate16 = c.gate_in_gemm_type;
+    if (g == DType::bf16)
+      return gate16 ? run_backward<float, __nv_bfloat16, __nv_bfloat16>(c, d)
+                    : run_backward<float, __nv_bfloat16, float>(c, d);
+    return gate16 ? run_backward<float, __half, __half>(c, d)
+                  : run_backward<float, __half, float>(c, d);
+  }
   switch (c.dtype) {
     case DType::fp32:
     case DType::tf32:
-      return run_backward<float>(c, d);
+      return run_backward<float, float, float>(c, d);
     case DType::bf16:
-      return run_backward<__nv_bfloat16>(c, d);
+      return run_backward<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>(c, d);
     case DType::fp16:
-      return run_backward<__half>(c, d);
+      return run_backward<__half, __half, __half>(c, d);
   }
   return {};
 }
 
-/// A GEMM-derived output against its float64 value: NaN exactly where the float64 value is NaN,
-/// and otherwise a relative (Frobenius) error no worse than fp32: 1.5x the exact value rounded to
-/// fp32 + 2e-5 (fp32 accumulation over up to ~2000 terms); bf16/fp16: 2.5x one rounding of the
-/// exact value to the dtype (the forward tests' bound: cuBLASLt's bf16 algorithms measured up to
-/// 1.65x) and at least 2 u (u = 2^-8, 2^-11); TF32: 4e-3 (10 fraction bits per operand).
-::testing::AssertionResult gemm_close(DType t, const std::vector<float>& got,
-                                      const std::vector<double>& want, const char* what) {
-  if (got.size() != want.size()) return ::testing::AssertionFailure() << what << ": size mismatch";
-  std::vector<float> got_f, rounded_f;
-  std::vector<double> want_f;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    if (std::isnan(want[i]) != std::isnan(got[i]))
-      return ::testing::AssertionFailure() << what << ": NaN mismatch at " << i << ": actual "
-                                           << got[i] << ", float64 " << want[i];
-    if (std::isnan(want[i])) continue;
-    if (std::isinf(want[i]) || std::isinf(got[i])) {
-      if (want[i] != got[i])
-        return ::testing::AssertionFailure()
-               << what << ": at " << i << ": actual " << got[i] << ", float64 " << want[i];
-      continue;
-    }
-    got_f.push_back(got[i]);
-    want_f.push_back(want[i]);
-    rounded_f.push_back(qbl_test::ref_round(t, static_cast<float>(want[i])));
-  }
-  if (got_f.empty()) return ::testing::AssertionSuccess();
-  const double err = qbl_test::relative_error(got_f, want_f);
-  const double best = qbl_test::relative_error(rounded_f, want_f);
-  // 16-bit: at least two roundings' worth (2u), whatever `best` happens to be for a handful of
-  // elements (accumulating rounds twice: RN(old + RN(sum))).
-  const double limit = t == DType::tf32 ? 4e-3
-                       : t == DType::fp32
-                           ? 1.5 * best + 2e-5
-                           : std::max(2.5 * best, 2 * qbl_test::unit_roundoff(t)) + 2e-5;
-  if (err <= limit) return ::testing::AssertionSuccess();
-  std::size_t worst = 0;
-  for (std::size_t i = 0; i < got_f.size(); ++i)
-    if (std::fabs(got_f[i] - want_f[i]) > std::fabs(got_f[worst] - want_f[worst])) worst = i;
-  return ::testing::AssertionFailure()
-         << what << ": relative error " << err << " > " << limit
-         << " (one rounding to the dtype: " << best << "); worst finite element " << worst
-         << ": expected " << want_f[worst] << ", actual " << got_f[worst];
-}
-
 /// Every check of one case; returns false on any failure (which it has reported).
 bool check_backward(const BwdCase& c, const BwdData& d, const BwdResult& r) {
-  const DType dt = c.dtype;
+  const DType xt = c.x_type(), gt = c.g_type(), lt = c.l_type();
+  const qbl_test::GemmArithmetic gemm = qbl_test::GemmArithmetic::of(c.gemm_mode());
   const int failures_before =
       ::testing::UnitTest::GetInstance()->current_test_info()->result()->total_part_count();
   float amax = 0, scale = 0;
   const std::vector<float> want_mixed =
-      qbl_test::reference_mixed(dt, d.x, r.alpha, c.tokens, c.in, &amax, &scale);
+      qbl_test::reference_mixed(xt, lt, gt, d.x, r.alpha, c.tokens, c.in, &amax, &scale);
   EXPECT_TRUE(qbl_test::bits_equal(r.mixed, want_mixed, static_cast<std::size_t>(c.in))) << "mixed";
   EXPECT_TRUE(bits(r.scale) == bits(scale) || (std::isnan(r.scale) && std::isnan(scale)))
       << "scale: expected " << scale << ", actual " << r.scale;
 
   if (!r.g_mixed.empty()) {
-    if (c.identity && dt != DType::tf32) {
+    if (c.identity && c.gemm_mode() != DType::tf32) {
       // g_mixed = grad_out · I = grad_out exactly (-0 read as +0 through the probe); TF32 would
       // round grad_out's operands to 10 fraction bits.
       std::vector<float> want(d.grad_out.size());
@@ -364,9 +374,9 @@ bool check_backward(const BwdCase& c, const BwdData& d, const BwdResult& r) {
       EXPECT_TRUE(qbl_test::bits_equal(r.g_mixed, want, static_cast<std::size_t>(c.in)))
           << "g_mixed";
     } else {
-      EXPECT_TRUE(gemm_close(dt, r.g_mixed,
-                             qbl_test::dgrad_reference(d.grad_out, d.w, c.tokens, c.in, c.out),
-                             "g_mixed (dgrad)"));
+      EXPECT_TRUE(qbl_test::within_dot_bounds(
+          gemm, c.out, r.g_mixed, qbl_test::dgrad_values(d.grad_out, d.w, c.tokens, c.in, c.out),
+          "g_mixed (dgrad)", qbl_test::max_finite(gt)));
     }
   }
   if (!r.gx.empty()) {
@@ -375,7 +385,7 @@ bool check_backward(const BwdCase& c, const BwdData& d, const BwdResult& r) {
     for (std::int64_t t = 0; t < c.tokens; ++t)
       for (std::int64_t i = 0; i < c.in; ++i) {
         const std::size_t k = static_cast<std::size_t>(t * c.in + i);
-        want[k] = qbl_test::reference_grad_x(dt, r.g_mixed[k], r.alpha[t], scale, c.ste);
+        want[k] = qbl_test::reference_grad_x(xt, r.g_mixed[k], r.alpha[t], scale, c.ste, lt);
         // Straight-through keeps the sign of a zero g_mixed, which the probe cannot see (and which
         // depends on how the GEMM's accumulator starts): accept either sign there.
         if (c.ste && r.g_mixed[k] == 0.0f && got[k] == 0.0f && want[k] == 0.0f) got[k] = want[k];
@@ -385,51 +395,26 @@ bool check_backward(const BwdCase& c, const BwdData& d, const BwdResult& r) {
   if (!r.gl.empty()) {
     int bad = 0;
     for (std::int64_t t = 0; t < c.tokens; ++t) {
-      const auto w = qbl_test::reference_grad_logit(dt, &r.g_mixed[t * c.in], &d.x[t * c.in], c.in,
-                                                    r.alpha[t], scale);
+      const auto w = qbl_test::reference_grad_logit(xt, lt, &r.g_mixed[t * c.in], &d.x[t * c.in],
+                                                    c.in, r.alpha[t], scale);
       const float got = r.gl[t];
-      const bool ok = w.nan ? std::isnan(got)
-                            : (w.overflow ? !std::isfinite(got) : (w.lo <= got && got <= w.hi));
-      if (!ok && bad++ < 8)
+      if (!w.admits(got) && bad++ < 8)
         ADD_FAILURE() << "grad_logits[" << t << "]: actual " << got << " (0x" << std::hex
-                      << bits(got) << std::dec << "), expected "
-                      << (w.nan ? std::string("NaN")
-                                : "[" + std::to_string(w.lo) + ", " + std::to_string(w.hi) + "]")
-                      << ", float64 " << w.exact;
+                      << bits(got) << std::dec << "), expected " << w.expected();
     }
     EXPECT_EQ(bad, 0) << "grad_logits";
   }
   if (!r.gw.empty()) {
-    EXPECT_TRUE(gemm_close(
-        dt, r.gw,
-        qbl_test::wgrad_reference(d.grad_out, want_mixed, c.accumulate ? d.old_w.data() : nullptr,
-                                  c.tokens, c.in, c.out),
-        "grad_weight"));
+    EXPECT_TRUE(qbl_test::within_dot_bounds(
+        gemm, c.tokens + (c.accumulate ? 1 : 0), r.gw,
+        qbl_test::wgrad_values(d.grad_out, want_mixed, c.accumulate ? d.old_w.data() : nullptr,
+                               c.tokens, c.in, c.out),
+        "grad_weight", qbl_test::max_finite(gt)));
   }
   if (!r.gb.empty()) {
-    std::vector<double> abs_sum;
-    std::vector<double> want = qbl_test::bias_grad_reference(d.grad_out, c.tokens, c.out, &abs_sum);
-    // Element-wise, against the plain float64 sum S: an fp32 sum in any order is within
-    // (tokens - 1) 2^-24 sum |g| of S; then up to two roundings to the dtype (cuBLASLt's BGRADB
-    // epilogue or qbl's kernel; 2u |S|, u = 2^-24, 2^-8, 2^-11), and accumulating adds
-    // RN(old + that): u |old + S| more. 2^-20 sum |g| covers the float64 sum's own error.
-    const double u = qbl_test::unit_roundoff(dt == DType::tf32 ? DType::fp32 : dt);
-    int bad = 0;
-    for (std::int64_t o = 0; o < c.out; ++o) {
-      const double exact = want[o] + (c.accumulate ? d.old_b[o] : 0.0);
-      const double bound = (static_cast<double>(c.tokens - 1) * 0x1p-24 + 0x1p-20) * abs_sum[o] +
-                           2 * u * std::fabs(want[o]) + (c.accumulate ? u * std::fabs(exact) : 0.0);
-      if (!(std::fabs(r.gb[o] - exact) <= bound) && bad++ < 8)
-        ADD_FAILURE() << "grad_bias[" << o << "]: expected " << exact << " +- " << bound
-                      << ", actual " << r.gb[o];
-      want[o] = exact;
-    }
-    EXPECT_EQ(bad, 0) << "grad_bias";
-    // Relative (Frobenius) too, overwriting only: accumulating rounds RN(old + RN(S)), whose
-    // error is relative to |S|, not to |old + S| (cancellation) -- the element-wise bound covers
-    // it.
-    if (!c.accumulate)
-      EXPECT_TRUE(gemm_close(dt == DType::tf32 ? DType::fp32 : dt, r.gb, want, "grad_bias"));
+    EXPECT_TRUE(qbl_test::bias_grad_within_bounds(
+        gt, c.tokens, r.gb, qbl_test::bias_grad_values(d.grad_out, c.tokens, c.out),
+        c.accumulate ? d.old_b.data() : nullptr, "grad_bias"));
   }
   return ::testing::UnitTest::GetInstance()->current_test_info()->result()->total_part_count() ==
          failures_before;
@@ -450,6 +435,11 @@ TEST_P(LayerBackward, MatchesTheReference) {
   const BwdResult r = run_backward(c, d);
   if (::testing::Test::HasFatalFailure()) return;
   check_backward(c, d, r);
+  // The plan took the choices the case forced.
+  if (c.overlap != qbl::Choice::by_shape && (c.want & 3) && (c.want & 12))
+    EXPECT_EQ(r.overlapped, c.overlap == qbl::Choice::yes);
+  if (c.bias_epilogue != qbl::Choice::by_shape)
+    EXPECT_EQ(r.bias_from_epilogue, c.bias_epilogue == qbl::Choice::yes);
 }
 
 std::vector<BwdCase> layer_cases() {
@@ -465,7 +455,8 @@ std::vector<BwdCase> layer_cases() {
           c.in_off = c.out_off = off, c.ste = ste, c.identity = true;
           v.push_back(c);
         }
-    // General weights, in != out, accumulation on every other case.
+    // General weights, in != out, accumulation on every other case; wgrad beside and after
+    // dgrad, the bias gradient from the epilogue and from the column sum.
     int k = 0;
     for (auto [tokens, in, out] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1, 3, 7},
                                    {7, 65, 217},
@@ -478,19 +469,42 @@ std::vector<BwdCase> layer_cases() {
         c.dtype = t, c.tokens = tokens, c.in = in, c.out = out, c.max_tokens = 1024;
         c.in_off = c.out_off = off, c.ste = k % 3 == 1, c.accumulate = k % 2 == 1,
         c.bias = k % 4 != 3;
+        c.overlap = k % 3 == 0 ? qbl::Choice::yes : qbl::Choice::no;
+        c.bias_epilogue = k % 4 < 2 ? qbl::Choice::yes : qbl::Choice::no;
         ++k;
         v.push_back(c);
       }
   }
-  // in_features == 1 (the wgrad GEMM's m = 1), each way grad_bias can be formed: the BGRADB
-  // epilogue written directly, into the scratch and accumulated, and qbl's bias_grad kernel alone.
+  // fp32 activations into a 16-bit GEMM (PyTorch's autocast), the gate in fp32 or the GEMM's type.
+  for (DType g : {DType::bf16, DType::fp16})
+    for (bool gate16 : {false, true}) {
+      int k = 0;
+      for (auto [tokens, in, out] :
+           {std::tuple<std::int64_t, std::int64_t, std::int64_t>{65, 65, 65},
+            {217, 96, 40},
+            {1024, 256, 512},
+            {7, 1024, 64}})
+        for (std::size_t off : {0, 1}) {
+          BwdCase c;
+          c.dtype = DType::fp32, c.gemm = g, c.gate_in_gemm_type = gate16;
+          c.tokens = tokens, c.in = in, c.out = out, c.max_tokens = 1024;
+          c.in_off = c.out_off = off, c.ste = k % 3 == 1, c.accumulate = k % 2 == 1;
+          c.identity = k == 0;
+          c.overlap = k % 2 == 0 ? qbl::Choice::yes : qbl::Choice::no;
+          ++k;
+          v.push_back(c);
+        }
+    }
+  // in_features == 1 (the wgrad GEMM's m = 1), each way grad_bias can be formed: the product on
+  // cuBLASLt with the column sum in place of its epilogue, written and accumulated, and the
+  // column sum alone.
   for (DType t : {DType::fp32, DType::bf16, DType::fp16})
     for (unsigned want :
          {unsigned{want_all}, unsigned{want_weight | want_bias}, unsigned{want_bias}})
       for (bool acc : {false, true}) {
         BwdCase c;
         c.dtype = t, c.tokens = 379, c.in = 1, c.out = 59, c.max_tokens = 512, c.want = want,
-        c.accumulate = acc;
+        c.accumulate = acc, c.bias_epilogue = qbl::Choice::yes;
         v.push_back(c);
       }
   return v;
@@ -499,12 +513,19 @@ std::vector<BwdCase> layer_cases() {
 INSTANTIATE_TEST_SUITE_P(Shapes, LayerBackward, ::testing::ValuesIn(layer_cases()),
                          [](const ::testing::TestParamInfo<BwdCase>& i) {
                            const BwdCase& c = i.param;
-                           return std::string(qbl_test::dtype_name(c.dtype)) +
+                           const std::string types =
+                               c.gemm == DType::tf32
+                                   ? ""
+                                   : std::string("_to_") + qbl_test::dtype_name(c.g_type()) +
+                                         "_logits_" + qbl_test::dtype_name(c.l_type());
+                           return std::string(qbl_test::dtype_name(c.dtype)) + types +
                                   (c.identity ? "_identity" : "_general") + "_t" +
                                   std::to_string(c.tokens) + "_in" + std::to_string(c.in) + "_out" +
                                   std::to_string(c.out) + "_off" + std::to_string(c.in_off) +
                                   (c.ste ? "_ste" : "_zero") + (c.accumulate ? "_acc" : "") +
-                                  (c.want == want_all ? "" : "_want" + std::to_string(c.want));
+                                  (c.want == want_all ? "" : "_want" + std::to_string(c.want)) +
+                                  "_overlap_" + choice_name(c.overlap) + "_epilogue_" +
+                                  choice_name(c.bias_epilogue);
                          });
 
 // Every subset of the four gradients, each with and without accumulation: the requested ones
@@ -536,8 +557,9 @@ TEST(LayerBackwardSubsets, EverySubsetIsRightAndWritesNothingElse) {
   QBL_ASSERT_CUDA(buf.upload(d));
   QBL_ASSERT_CUDA(buf.poison(d));
   buf.forward(layer);
-  EXPECT_NO_THROW(layer.backward(buf.go.get(), nullptr, nullptr, nullptr, buf.mixed.get(),
-                                 buf.stats.get(), c.tokens, buf.grads()));
+  auto args = buf.args();
+  args.x = nullptr, args.logits = nullptr, args.weight = nullptr, args.stats = nullptr;
+  EXPECT_NO_THROW(layer.backward(args));
   QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   BwdResult r;
   std::vector<float> alpha(static_cast<std::size_t>(c.tokens));
@@ -545,14 +567,15 @@ TEST(LayerBackwardSubsets, EverySubsetIsRightAndWritesNothingElse) {
   qbl_test::device_sigmoid_t<float><<<1, 64>>>(buf.l.get(), da.get(), c.tokens);
   QBL_ASSERT_CUDA(qbl_test::to_host(alpha, da.get()));
   const auto mixed = qbl_test::reference_mixed(DType::fp32, d.x, alpha, c.tokens, c.in);
+  const auto fp32 = qbl_test::GemmArithmetic::of(DType::fp32);
   r.gw = read_output(buf.gw, 0, buf.nw, true, "grad_weight");
-  EXPECT_TRUE(gemm_close(
-      DType::fp32, r.gw,
-      qbl_test::wgrad_reference(d.grad_out, mixed, nullptr, c.tokens, c.in, c.out), "grad_weight"));
+  EXPECT_TRUE(qbl_test::within_dot_bounds(
+      fp32, c.tokens, r.gw,
+      qbl_test::wgrad_values(d.grad_out, mixed, nullptr, c.tokens, c.in, c.out), "grad_weight"));
   r.gb = read_output(buf.gb, 0, static_cast<std::size_t>(c.out), true, "grad_bias");
-  EXPECT_TRUE(gemm_close(DType::fp32, r.gb,
-                         qbl_test::bias_grad_reference(d.grad_out, c.tokens, c.out, nullptr),
-                         "grad_bias"));
+  EXPECT_TRUE(qbl_test::bias_grad_within_bounds(
+      DType::fp32, c.tokens, r.gb, qbl_test::bias_grad_values(d.grad_out, c.tokens, c.out), nullptr,
+      "grad_bias"));
   read_output(buf.gx, 0, buf.nx, false, "grad_x");
   read_output(buf.gl, 0, static_cast<std::size_t>(c.tokens), false, "grad_logits");
 }
@@ -575,8 +598,9 @@ TEST(LayerBackwardOwnBuffers, NullMixedAndStatsUseTheLastForward) {
     QBL_ASSERT_CUDA(buf.poison(d));
     if (own) {
       layer.forward(buf.x.get(), buf.l.get(), buf.w.get(), buf.b.get(), buf.out.get(), c.tokens);
-      layer.backward(buf.go.get(), buf.x.get(), buf.l.get(), buf.w.get(), nullptr, nullptr,
-                     c.tokens, buf.grads());
+      auto args = buf.args();
+      args.mixed = nullptr, args.stats = nullptr;
+      layer.backward(args);
     } else {
       buf.forward(layer);
       buf.backward(layer);
@@ -710,12 +734,19 @@ TYPED_TEST(LayerBackwardNonFinite, EachCaseFollowsTheFormulas) {
 // ---- bad input --------------------------------------------------------------------------------
 
 using Layer = qbl::QuantBlendLinear<float>;
+using Args = Layer::BackwardArguments;
 
+/// One bad call: the case's full backward (all four gradients) with one argument changed.
 struct BadCase {
   const char* name;
-  std::function<void(Layer&, BwdBuffers<float>&)> call;
-  enum { invalid, range, logic } expect;
+  std::function<void(Args&, BwdBuffers<float>&)> change;
+  enum { invalid, range } expect;
 };
+
+float* odd(float* p) { return reinterpret_cast<float*>(reinterpret_cast<char*>(p) + 2); }
+const float* odd(const float* p) {
+  return reinterpret_cast<const float*>(reinterpret_cast<const char*>(p) + 2);
+}
 
 TEST(LayerBackwardBadInput, EveryCaseThrowsItsTypeAndTouchesNothing) {
   QBL_REQUIRE_GPU();
@@ -725,235 +756,49 @@ TEST(LayerBackwardBadInput, EveryCaseThrowsItsTypeAndTouchesNothing) {
   BwdBuffers<float> buf(c);
   QBL_ASSERT_CUDA(buf.upload(d));
   using B = BwdBuffers<float>;
-  using G = Layer::Gradients;
-  auto odd = [](auto* p) { return reinterpret_cast<decltype(p)>(reinterpret_cast<char*>(p) + 2); };
-  // backward with all four gradients, one argument replaced.
-  auto call = [](Layer& L, const float* go, const float* x, const float* l, const float* w,
-                 const float* m, const float* s, std::int64_t t,
-                 const G& g) { L.backward(go, x, l, w, m, s, t, g); };
   const std::vector<BadCase> cases = {
-      {"null grad_out",
-       [&](Layer& L, B& b) {
-         call(L, nullptr, b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(), b.c.tokens,
-              b.grads());
-       },
-       BadCase::invalid},
-      {"null weight, grad_x wanted",
-       [&](Layer& L, B& b) {
-         G g;
-         g.x = b.gx.get();
-         call(L, b.go.get(), b.x.get(), b.l.get(), nullptr, b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
-      {"null logits, grad_x wanted",
-       [&](Layer& L, B& b) {
-         G g;
-         g.x = b.gx.get();
-         call(L, b.go.get(), b.x.get(), nullptr, b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
+      {"null grad_out", [](Args& a, B&) { a.grad_out = nullptr; }, BadCase::invalid},
+      {"null weight, grad_x wanted", [](Args& a, B&) { a.weight = nullptr; }, BadCase::invalid},
+      {"null logits, grad_x wanted", [](Args& a, B&) { a.logits = nullptr; }, BadCase::invalid},
       {"null weight, grad_logits wanted",
-       [&](Layer& L, B& b) {
-         G g;
-         g.logits = b.gl.get();
-         call(L, b.go.get(), b.x.get(), b.l.get(), nullptr, b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
+       [](Args& a, B&) { a.weight = nullptr, a.grad_x = nullptr; }, BadCase::invalid},
       {"null logits, grad_logits wanted",
-       [&](Layer& L, B& b) {
-         G g;
-         g.logits = b.gl.get();
-         call(L, b.go.get(), b.x.get(), nullptr, b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
+       [](Args& a, B&) { a.logits = nullptr, a.grad_x = nullptr; }, BadCase::invalid},
+      {"null x, grad_logits wanted", [](Args& a, B&) { a.x = nullptr; }, BadCase::invalid},
+      {"mixed given, stats null, grad_x wanted", [](Args& a, B&) { a.stats = nullptr; },
        BadCase::invalid},
-      {"null x, grad_logits wanted",
-       [&](Layer& L, B& b) {
-         G g;
-         g.logits = b.gl.get();
-         call(L, b.go.get(), nullptr, b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
+      {"stats given, mixed null", [](Args& a, B&) { a.mixed = nullptr; }, BadCase::invalid},
+      {"misaligned grad_out", [](Args& a, B&) { a.grad_out = odd(a.grad_out); }, BadCase::invalid},
+      {"misaligned x", [](Args& a, B&) { a.x = odd(a.x); }, BadCase::invalid},
+      {"misaligned weight", [](Args& a, B&) { a.weight = odd(a.weight); }, BadCase::invalid},
+      {"misaligned mixed", [](Args& a, B&) { a.mixed = odd(a.mixed); }, BadCase::invalid},
+      {"misaligned stats", [](Args& a, B&) { a.stats = odd(a.stats); }, BadCase::invalid},
+      {"misaligned grad_x", [](Args& a, B&) { a.grad_x = odd(a.grad_x); }, BadCase::invalid},
+      {"misaligned grad_weight", [](Args& a, B&) { a.grad_weight = odd(a.grad_weight); },
        BadCase::invalid},
-      {"mixed given, stats null",
-       [&](Layer& L, B& b) {
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), nullptr, b.c.tokens,
-              b.grads());
-       },
+      {"misaligned grad_bias", [](Args& a, B&) { a.grad_bias = odd(a.grad_bias); },
        BadCase::invalid},
-      {"stats given, mixed null",
-       [&](Layer& L, B& b) {
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), nullptr, b.stats.get(), b.c.tokens,
-              b.grads());
-       },
+      {"negative tokens", [](Args& a, B&) { a.tokens = -1; }, BadCase::invalid},
+      {"tokens > max_tokens", [](Args& a, B& b) { a.tokens = b.c.max_tokens + 1; }, BadCase::range},
+      {"grad_x is x", [](Args& a, B& b) { a.grad_x = b.x.get(); }, BadCase::invalid},
+      {"grad_x overlaps grad_out", [](Args& a, B& b) { a.grad_x = b.go.get() + 100; },
        BadCase::invalid},
-      {"misaligned grad_out",
-       [&](Layer& L, B& b) {
-         call(L, odd(b.go.get()), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, b.grads());
-       },
+      {"grad_logits is logits", [](Args& a, B& b) { a.grad_logits = b.l.get(); }, BadCase::invalid},
+      {"grad_weight is weight", [](Args& a, B& b) { a.grad_weight = b.w.get(); }, BadCase::invalid},
+      {"grad_weight overlaps mixed", [](Args& a, B& b) { a.grad_weight = b.mixed.get() + 7; },
        BadCase::invalid},
-      {"misaligned x",
-       [&](Layer& L, B& b) {
-         call(L, b.go.get(), odd(b.x.get()), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, b.grads());
-       },
+      {"grad_bias overlaps stats", [](Args& a, B& b) { a.grad_bias = b.stats.get(); },
        BadCase::invalid},
-      {"misaligned weight",
-       [&](Layer& L, B& b) {
-         call(L, b.go.get(), b.x.get(), b.l.get(), odd(b.w.get()), b.mixed.get(), b.stats.get(),
-              b.c.tokens, b.grads());
-       },
+      {"grad_bias inside grad_weight", [](Args& a, B&) { a.grad_bias = a.grad_weight + 10; },
        BadCase::invalid},
-      {"misaligned mixed",
-       [&](Layer& L, B& b) {
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), odd(b.mixed.get()), b.stats.get(),
-              b.c.tokens, b.grads());
-       },
+      {"grad_logits inside grad_x", [](Args& a, B&) { a.grad_logits = a.grad_x + 3; },
        BadCase::invalid},
-      {"misaligned stats",
-       [&](Layer& L, B& b) {
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), odd(b.stats.get()),
-              b.c.tokens, b.grads());
-       },
-       BadCase::invalid},
-      {"misaligned grad_x",
-       [&](Layer& L, B& b) {
-         G g = b.grads();
-         g.x = odd(g.x);
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
-      {"misaligned grad_weight",
-       [&](Layer& L, B& b) {
-         G g = b.grads();
-         g.weight = odd(g.weight);
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
-      {"misaligned grad_bias",
-       [&](Layer& L, B& b) {
-         G g = b.grads();
-         g.bias = odd(g.bias);
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
-      {"negative tokens",
-       [&](Layer& L, B& b) {
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(), -1,
-              b.grads());
-       },
-       BadCase::invalid},
-      {"tokens > max_tokens",
-       [&](Layer& L, B& b) {
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              L.max_tokens() + 1, b.grads());
-       },
-       BadCase::range},
-      {"grad_x is x",
-       [&](Layer& L, B& b) {
-         G g = b.grads();
-         g.x = b.x.get();
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
-      {"grad_x overlaps grad_out",
-       [&](Layer& L, B& b) {
-         G g = b.grads();
-         g.x = b.go.get() + 100;
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
-      {"grad_logits is logits",
-       [&](Layer& L, B& b) {
-         G g = b.grads();
-         g.logits = b.l.get();
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
-      {"grad_weight is weight",
-       [&](Layer& L, B& b) {
-         G g = b.grads();
-         g.weight = b.w.get();
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
-      {"grad_weight overlaps mixed",
-       [&](Layer& L, B& b) {
-         G g = b.grads();
-         g.weight = b.mixed.get() + 7;
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
-      {"grad_bias overlaps stats",
-       [&](Layer& L, B& b) {
-         G g = b.grads();
-         g.bias = b.stats.get();
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
-      {"grad_bias inside grad_weight",
-       [&](Layer& L, B& b) {
-         G g = b.grads();
-         g.bias = g.weight + 10;
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
-      {"grad_logits inside grad_x",
-       [&](Layer& L, B& b) {
-         G g = b.grads();
-         g.logits = g.x + 3;
-         call(L, b.go.get(), b.x.get(), b.l.get(), b.w.get(), b.mixed.get(), b.stats.get(),
-              b.c.tokens, g);
-       },
-       BadCase::invalid},
-      {"use after move",
-       [&](Layer& L, B& b) {
-         Layer taken = std::move(L);
-         b.backward(L);
-       },
-       BadCase::logic},
-      {"no Options::backward",
-       [&](Layer&, B& b) {
-         Layer plain(128, 64, 512);
-         b.backward(plain);
-       },
-       BadCase::logic},
   };
-  ASSERT_GE(cases.size(), 25u);
+  ASSERT_EQ(cases.size(), 26u);
   const std::vector<float> x_before = d.x, w_before = d.w;
   qbl::Options o;
   o.backward = true;
-  for (const BadCase& bc : cases) {
-    SCOPED_TRACE(bc.name);
-    Layer layer(c.in, c.out, c.max_tokens, o);
-    buf.forward(layer);
-    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    QBL_ASSERT_CUDA(buf.poison(d));
-    switch (bc.expect) {
-      case BadCase::invalid:
-        EXPECT_THROW(bc.call(layer, buf), qbl::invalid_argument);
-        break;
-      case BadCase::range:
-        EXPECT_THROW(bc.call(layer, buf), qbl::out_of_range);
-        break;
-      case BadCase::logic:
-        EXPECT_THROW(bc.call(layer, buf), qbl::logic_error);
-        break;
-    }
+  auto expect_untouched = [&] {
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
     read_output(buf.gx, 0, buf.nx, false, "grad_x");
     read_output(buf.gl, 0, static_cast<std::size_t>(c.tokens), false, "grad_logits");
@@ -964,6 +809,38 @@ TEST(LayerBackwardBadInput, EveryCaseThrowsItsTypeAndTouchesNothing) {
     QBL_ASSERT_CUDA(qbl_test::to_host(w, buf.w.get()));
     EXPECT_TRUE(qbl_test::bits_equal(x, x_before)) << "x changed";
     EXPECT_TRUE(qbl_test::bits_equal(w, w_before)) << "weight changed";
+  };
+  Layer layer(c.in, c.out, c.max_tokens, o);
+  for (const BadCase& bc : cases) {
+    SCOPED_TRACE(bc.name);
+    buf.forward(layer);
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    QBL_ASSERT_CUDA(buf.poison(d));
+    Args args = buf.args();
+    bc.change(args, buf);
+    // The plan's own check says the same, without throwing.
+    EXPECT_FALSE(layer.backward_plan()->supports(args))
+        << "supports() accepted what backward() must reject";
+    if (bc.expect == BadCase::invalid) {
+      EXPECT_THROW(layer.backward(args), qbl::invalid_argument);
+    } else {
+      EXPECT_THROW(layer.backward(args), qbl::out_of_range);
+    }
+    expect_untouched();
+  }
+  {
+    SCOPED_TRACE("use after move");
+    QBL_ASSERT_CUDA(buf.poison(d));
+    Layer taken = std::move(layer);
+    EXPECT_THROW(buf.backward(layer), qbl::logic_error);
+    expect_untouched();
+  }
+  {
+    SCOPED_TRACE("no Options::backward");
+    QBL_ASSERT_CUDA(buf.poison(d));
+    Layer plain(c.in, c.out, c.max_tokens);
+    EXPECT_THROW(buf.backward(plain), qbl::logic_error);
+    expect_untouched();
   }
 }
 
@@ -980,17 +857,18 @@ TEST(LayerBackwardBadInput, ZeroTokensIsANoOp) {
   buf.forward(layer);
   QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   QBL_ASSERT_CUDA(buf.poison(d));
-  EXPECT_NO_THROW(layer.backward(buf.go.get(), buf.x.get(), buf.l.get(), buf.w.get(),
-                                 buf.mixed.get(), buf.stats.get(), 0, buf.grads()));
-  EXPECT_NO_THROW(
-      layer.backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, buf.grads()));
+  auto args = buf.args();
+  args.tokens = 0;
+  EXPECT_NO_THROW(layer.backward(args));
+  args.grad_out = nullptr, args.x = nullptr, args.logits = nullptr, args.weight = nullptr;
+  EXPECT_NO_THROW(layer.backward(args));
   QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   read_output(buf.gx, 0, buf.nx, false, "grad_x");
   read_output(buf.gl, 0, static_cast<std::size_t>(c.tokens), false, "grad_logits");
   read_output(buf.gw, 0, buf.nw, false, "grad_weight");
   read_output(buf.gb, 0, static_cast<std::size_t>(c.out), false, "grad_bias");
-  EXPECT_TRUE(layer.has_backward());
-  EXPECT_FALSE(Layer(c.in, c.out, c.max_tokens).has_backward());
+  EXPECT_NE(layer.backward_plan(), nullptr);
+  EXPECT_EQ(Layer(c.in, c.out, c.max_tokens).backward_plan(), nullptr);
 }
 
 // ---- CUDA graphs ------------------------------------------------------------------------------
@@ -1129,7 +1007,55 @@ BwdCase make_backward_case(std::uint64_t seed, int index) {
   if (gen() % 2 == 0) c.want = want_all;
   c.x_std = static_cast<float>(log_uniform(1e-2, c.dtype == DType::fp16 ? 30.0 : 1e3));
   c.seed = gen();
+  // Drawn after everything above, so that a seed and index still give the cases they gave before
+  // these were added (a logged failure stays replayable).
+  const qbl::Choice choices[] = {qbl::Choice::by_shape, qbl::Choice::yes, qbl::Choice::no};
+  c.overlap = choices[gen() % 3];
+  c.bias_epilogue = choices[gen() % 3];
+  if (c.dtype == DType::fp32 && gen() % 3 == 0) {
+    c.gemm = gen() % 2 == 0 ? DType::bf16 : DType::fp16;
+    c.gate_in_gemm_type = gen() % 2 == 0;
+  }
   return c;
+}
+
+// A case that once failed under the fixed bound "1.5 x one rounding + 2e-5" (relative Frobenius)
+// that this suite used before its bounds were derived from the arithmetic: a 187-term fp32 dot
+// product (dgrad of one token, out = 187) with cancellation, relative error 2.0205e-05 against a
+// limit of 2.0021e-05. Nothing was wrong with the layer; the element-wise bound of
+// tests/tolerance.hpp holds it. The generator must still produce that case from that seed.
+TEST(LayerBackwardProperty, RegressionCaseOfSeed10071686998254454627) {
+  QBL_REQUIRE_GPU();
+  BwdCase c = make_backward_case(10071686998254454627ull, 545);
+  c.gemm = DType::tf32, c.gate_in_gemm_type = false;  // the fields drawn after it was logged
+  c.overlap = c.bias_epilogue = qbl::Choice::by_shape;
+  const std::string logged =
+      "fp32 tokens 1 in 1 out 187 max_tokens 1 in_off 2 out_off 8 no-bias zero accumulate grads "
+      "{logits,weight} x_std 0.051001";
+  ASSERT_EQ(c.describe().substr(0, logged.size()), logged);
+  SCOPED_TRACE(c.describe());
+  const BwdData d = make_data(c);
+  const BwdResult r = run_backward(c, d);
+  if (::testing::Test::HasFatalFailure()) return;
+  EXPECT_TRUE(check_backward(c, d, r));
+}
+
+// A case of fp16 logits (x fp32, in = 1, x_std 948) where g_mixed * x_q and g_mixed * x, finite in
+// float32, lie beyond fp16's range: cast to the logits' dtype both are infinite and grad_alpha is
+// inf - inf = NaN, as autograd computes it. The reference's interval once came out as
+// [NaN, NaN] and admitted nothing.
+TEST(LayerBackwardProperty, RegressionCaseOfSeed14087370335047220017) {
+  QBL_REQUIRE_GPU();
+  const BwdCase c = make_backward_case(14087370335047220017ull, 436);
+  const std::string logged =
+      "fp32 gemm fp16 logits fp16 tokens 83 in 1 out 150 max_tokens 141 in_off 8 out_off 4 bias "
+      "ste grads {x,logits,weight,bias} x_std 948.691956";
+  ASSERT_EQ(c.describe().substr(0, logged.size()), logged);
+  SCOPED_TRACE(c.describe());
+  const BwdData d = make_data(c);
+  const BwdResult r = run_backward(c, d);
+  if (::testing::Test::HasFatalFailure()) return;
+  EXPECT_TRUE(check_backward(c, d, r));
 }
 
 TEST(LayerBackwardProperty, RandomCasesMatchTheIndependentReference) {
@@ -1149,7 +1075,7 @@ TEST(LayerBackwardProperty, RandomCasesMatchTheIndependentReference) {
     const BwdData d = make_data(c);
     const BwdResult r = run_backward(c, d);
     ++ran;
-    ++per_type[static_cast<int>(c.dtype)];
+    ++per_type[static_cast<int>(c.gemm_mode())];
     fallback += !r.forward_cublaslt;
     failed += !check_backward(c, d, r) || ::testing::Test::HasFatalFailure();
   }
@@ -1234,8 +1160,8 @@ TEST(LayerBackwardProperty, FixedSliceOnTheHostElementMath) {
       if (w.nan) {
         ASSERT_TRUE(std::isnan(gl)) << "token " << t;
       } else if (!w.overflow) {
-        ASSERT_TRUE(w.lo <= gl && gl <= w.hi) << "grad_logit at token " << t << ": " << gl
-                                              << " outside [" << w.lo << ", " << w.hi << "]";
+        ASSERT_TRUE((w.edge && !std::isfinite(gl)) || (w.lo <= gl && gl <= w.hi))
+            << "grad_logit at token " << t << ": " << gl << ", expected " << w.expected();
       }
     }
   }

@@ -5,6 +5,7 @@
 #include "reference.hpp"
 #include "test_support.hpp"
 #include "test_support_device.cuh"
+#include "tolerance.hpp"
 
 #include <cmath>
 #include <cstdio>
@@ -47,6 +48,23 @@ struct Buffers {
   void forward(Layer& layer, cudaStream_t s = nullptr) {
     layer.forward(x.get(), l.get(), w.get(), b.get(), y.get(), tokens, s);
   }
+  /// The forward into `out` keeping `mixed` and `stats` for a backward.
+  Layer::ForwardArguments args(float* out, float* mixed, float* stats) {
+    Layer::ForwardArguments a;
+    a.x = x.get(), a.logits = l.get(), a.weight = w.get(), a.bias = b.get(), a.out = out;
+    a.mixed = mixed, a.stats = stats, a.tokens = tokens;
+    return a;
+  }
+  /// That forward's backward from grad_out into the four gradients.
+  Layer::BackwardArguments backward_args(const float* grad_out, const float* mixed,
+                                         const float* stats, float* gx, float* gl, float* gw,
+                                         float* gb) {
+    Layer::BackwardArguments a;
+    a.grad_out = grad_out, a.x = x.get(), a.logits = l.get(), a.weight = w.get();
+    a.mixed = mixed, a.stats = stats, a.tokens = tokens;
+    a.grad_x = gx, a.grad_logits = gl, a.grad_weight = gw, a.grad_bias = gb;
+    return a;
+  }
   std::vector<float> result() {
     std::vector<float> r(static_cast<std::size_t>(tokens * out));
     EXPECT_EQ(qbl_test::to_host(r, y.get()), cudaSuccess);
@@ -59,127 +77,6 @@ struct Buffers {
 
 // ---- bad input: each case throws its type before anything is launched ---------------------
 
-struct BadCase {
-  const char* name;
-  std::function<void(Layer&, Buffers&)> call;
-  enum { invalid, range, logic } expect;
-};
-
-TEST(QuantBlendLinearBadInput, EveryCaseThrowsItsTypeAndLeavesOutUntouched) {
-  QBL_REQUIRE_GPU();
-  Buffers buf(300, 128, 64, qbl_test::fresh_seed());
-  auto odd = [](float* p) { return reinterpret_cast<float*>(reinterpret_cast<char*>(p) + 2); };
-  const std::vector<BadCase> cases = {
-      {"null x",
-       [](Layer& L, Buffers& B) {
-         L.forward(nullptr, B.l.get(), B.w.get(), B.b.get(), B.y.get(), B.tokens);
-       },
-       BadCase::invalid},
-      {"null logits",
-       [](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), nullptr, B.w.get(), B.b.get(), B.y.get(), B.tokens);
-       },
-       BadCase::invalid},
-      {"null weight",
-       [](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), B.l.get(), nullptr, B.b.get(), B.y.get(), B.tokens);
-       },
-       BadCase::invalid},
-      {"null out",
-       [](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), nullptr, B.tokens);
-       },
-       BadCase::invalid},
-      {"misaligned x",
-       [&](Layer& L, Buffers& B) {
-         L.forward(odd(B.x.get()), B.l.get(), B.w.get(), B.b.get(), B.y.get(), B.tokens);
-       },
-       BadCase::invalid},
-      {"misaligned logits",
-       [&](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), odd(B.l.get()), B.w.get(), B.b.get(), B.y.get(), B.tokens);
-       },
-       BadCase::invalid},
-      {"misaligned weight",
-       [&](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), B.l.get(), odd(B.w.get()), B.b.get(), B.y.get(), B.tokens);
-       },
-       BadCase::invalid},
-      {"misaligned bias",
-       [&](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), B.l.get(), B.w.get(), odd(B.b.get()), B.y.get(), B.tokens);
-       },
-       BadCase::invalid},
-      {"misaligned out",
-       [&](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), odd(B.y.get()), B.tokens);
-       },
-       BadCase::invalid},
-      {"negative tokens",
-       [](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.y.get(), -1);
-       },
-       BadCase::invalid},
-      {"tokens > max_tokens",
-       [](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.y.get(), L.max_tokens() + 1);
-       },
-       BadCase::range},
-      {"out is x",
-       [](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.x.get(), B.tokens);
-       },
-       BadCase::invalid},
-      {"out overlaps x",
-       [](Layer& L, Buffers& B) {
-         L.forward(B.x.get() + 64, B.l.get(), B.w.get(), B.b.get(), B.x.get(), B.tokens);
-       },
-       BadCase::invalid},
-      {"out overlaps weight",
-       [](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.w.get() + 4, B.tokens);
-       },
-       BadCase::invalid},
-      {"out overlaps logits",
-       [](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.l.get(), B.tokens);
-       },
-       BadCase::invalid},
-      {"out overlaps bias",
-       [](Layer& L, Buffers& B) {
-         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.b.get(), B.tokens);
-       },
-       BadCase::invalid},
-      {"use after move",
-       [](Layer& L, Buffers& B) {
-         Layer taken = std::move(L);
-         L.forward(B.x.get(), B.l.get(), B.w.get(), B.b.get(), B.y.get(), B.tokens);
-       },
-       BadCase::logic},
-  };
-  for (const BadCase& c : cases) {
-    SCOPED_TRACE(c.name);
-    Layer layer(128, 64, 512);
-    ASSERT_EQ(buf.poison(), cudaSuccess);
-    switch (c.expect) {
-      case BadCase::invalid:
-        EXPECT_THROW(c.call(layer, buf), qbl::invalid_argument);
-        break;
-      case BadCase::range:
-        EXPECT_THROW(c.call(layer, buf), qbl::out_of_range);
-        break;
-      case BadCase::logic:
-        EXPECT_THROW(c.call(layer, buf), qbl::logic_error);
-        break;
-    }
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<float> y(buf.y.size());
-    ASSERT_EQ(qbl_test::to_host(y, buf.y.get()), cudaSuccess);
-    for (std::size_t i = 0; i < y.size(); ++i)
-      ASSERT_EQ(bits(y[i]), 0xffffffffu) << "out written at " << i;
-  }
-}
-
 TEST(QuantBlendLinearBadInput, WorkspaceThatCannotBeAllocatedIsOutOfMemory) {
   QBL_REQUIRE_GPU();
   // 2^45 bytes of `mixed`: no GPU has that.
@@ -189,108 +86,133 @@ TEST(QuantBlendLinearBadInput, WorkspaceThatCannotBeAllocatedIsOutOfMemory) {
   EXPECT_EQ(fine.max_tokens(), 16);
 }
 
-// The same matrix for every element type, through both forward overloads: a pointer offset by
-// one byte is misaligned for every T; the caller-buffer forward adds its own cases. `out` (and
-// the caller's mixed and stats) keep their poison.
+// One table of argument changes, for every element type (and fp32 x into a bf16 GEMM): each
+// case is the full forward with one argument changed, throwing its type before anything is
+// launched -- `out`, the caller's mixed and stats keep their poison, and the plan's supports()
+// says no to the same arguments. A pointer offset by one byte is misaligned for every type.
+template <typename X, typename G = X, typename Lt = X>
+struct Types {
+  using Layer = qbl::QuantBlendLinear<X, G, Lt>;
+};
+using LayerTypes = ::testing::Types<Types<float>, Types<__nv_bfloat16>, Types<__half>,
+                                    Types<float, __nv_bfloat16, __nv_bfloat16>>;
+struct LayerTypeNames {
+  template <typename T>
+  static std::string GetName(int) {
+    using Lay = typename T::Layer;
+    const std::string x = qbl_test::dtype_name(qbl_test::dtype_of<typename Lay::x_type>());
+    const std::string g = qbl_test::dtype_name(qbl_test::dtype_of<typename Lay::gemm_type>());
+    return x == g ? x : x + "_to_" + g;
+  }
+};
+
 template <typename T>
 class QuantBlendLinearBadInputTyped : public ::testing::Test {};
-TYPED_TEST_SUITE(QuantBlendLinearBadInputTyped, qbl_test::AllTypes, qbl_test::AllTypeNames);
+TYPED_TEST_SUITE(QuantBlendLinearBadInputTyped, LayerTypes, LayerTypeNames);
+
+template <typename P>
+P* odd(P* p) {
+  return reinterpret_cast<P*>(reinterpret_cast<char*>(p) + 1);
+}
+template <typename P>
+const P* odd(const P* p) {
+  return reinterpret_cast<const P*>(reinterpret_cast<const char*>(p) + 1);
+}
 
 TYPED_TEST(QuantBlendLinearBadInputTyped, EveryCaseThrowsItsTypeAndWritesNothing) {
   QBL_REQUIRE_GPU();
-  using T = TypeParam;
-  using L = qbl::QuantBlendLinear<T>;
+  using L = typename TypeParam::Layer;
+  using X = typename L::x_type;
+  using G = typename L::gemm_type;
+  using Lg = typename L::logits_type;
+  using Args = typename L::ForwardArguments;
   const std::int64_t tokens = 300, in = 128, out = 64;
   const std::uint64_t seed = qbl_test::fresh_seed();
-  qbl_test::DeviceArray<T> x(tokens * in + 8), l(tokens + 8), w(out * in + 8), b(out + 8),
-      y(tokens * out + 8), m(tokens * in + 8);
+  qbl_test::DeviceArray<X> x(tokens * in + 8);
+  qbl_test::DeviceArray<Lg> l(tokens + 8);
+  qbl_test::DeviceArray<G> w(out * in + 8), b(out + 8), y(tokens * out + 8), m(tokens * in + 8);
   qbl_test::DeviceArray<float> st(8);
   QBL_ASSERT_CUDA(
-      qbl_test::to_device(x.get(), qbl_test::convert<T>(qbl_test::randn(tokens * in, seed))));
+      qbl_test::to_device(x.get(), qbl_test::convert<X>(qbl_test::randn(tokens * in, seed))));
   QBL_ASSERT_CUDA(
-      qbl_test::to_device(l.get(), qbl_test::convert<T>(qbl_test::randn(tokens, seed + 1))));
+      qbl_test::to_device(l.get(), qbl_test::convert<Lg>(qbl_test::randn(tokens, seed + 1))));
   QBL_ASSERT_CUDA(
-      qbl_test::to_device(w.get(), qbl_test::convert<T>(qbl_test::randn(out * in, seed + 2))));
+      qbl_test::to_device(w.get(), qbl_test::convert<G>(qbl_test::randn(out * in, seed + 2))));
   QBL_ASSERT_CUDA(
-      qbl_test::to_device(b.get(), qbl_test::convert<T>(qbl_test::randn(out, seed + 3))));
-  auto odd = [](auto* p) {
-    using P = std::remove_pointer_t<decltype(p)>;
-    return reinterpret_cast<P*>(reinterpret_cast<char*>(p) + 1);
-  };
-  enum Expect { invalid, range, logic };
+      qbl_test::to_device(b.get(), qbl_test::convert<G>(qbl_test::randn(out, seed + 3))));
+  enum Expect { invalid, range };
   struct Case {
     const char* name;
-    std::function<void(L&)> call;
+    std::function<void(Args&)> change;
     Expect expect;
   };
-  T *X = x.get(), *Lg = l.get(), *W = w.get(), *B = b.get(), *Y = y.get(), *M = m.get();
-  float* S = st.get();
+  G *W = w.get(), *M = m.get();
   const std::vector<Case> cases = {
-      {"null x", [&](L& a) { a.forward(nullptr, Lg, W, B, Y, tokens); }, invalid},
-      {"null logits", [&](L& a) { a.forward(X, nullptr, W, B, Y, tokens); }, invalid},
-      {"null weight", [&](L& a) { a.forward(X, Lg, nullptr, B, Y, tokens); }, invalid},
-      {"null out", [&](L& a) { a.forward(X, Lg, W, B, nullptr, tokens); }, invalid},
-      {"misaligned x", [&](L& a) { a.forward(odd(X), Lg, W, B, Y, tokens); }, invalid},
-      {"misaligned logits", [&](L& a) { a.forward(X, odd(Lg), W, B, Y, tokens); }, invalid},
-      {"misaligned weight", [&](L& a) { a.forward(X, Lg, odd(W), B, Y, tokens); }, invalid},
-      {"misaligned bias", [&](L& a) { a.forward(X, Lg, W, odd(B), Y, tokens); }, invalid},
-      {"misaligned out", [&](L& a) { a.forward(X, Lg, W, B, odd(Y), tokens); }, invalid},
-      {"negative tokens", [&](L& a) { a.forward(X, Lg, W, B, Y, -1); }, invalid},
-      {"tokens > max_tokens", [&](L& a) { a.forward(X, Lg, W, B, Y, a.max_tokens() + 1); }, range},
-      {"out is x", [&](L& a) { a.forward(X, Lg, W, B, X, tokens); }, invalid},
-      {"out overlaps weight", [&](L& a) { a.forward(X, Lg, W, B, W + 4, tokens); }, invalid},
-      {"out overlaps logits", [&](L& a) { a.forward(X, Lg, W, B, Lg, tokens); }, invalid},
-      {"out overlaps bias", [&](L& a) { a.forward(X, Lg, W, B, B, tokens); }, invalid},
-      {"use after move",
-       [&](L& a) {
-         L taken = std::move(a);
-         a.forward(X, Lg, W, B, Y, tokens);
-       },
-       logic},
-      {"caller buffers: null mixed", [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, nullptr, S); },
+      {"null x", [](Args& a) { a.x = nullptr; }, invalid},
+      {"null logits", [](Args& a) { a.logits = nullptr; }, invalid},
+      {"null weight", [](Args& a) { a.weight = nullptr; }, invalid},
+      {"null out", [](Args& a) { a.out = nullptr; }, invalid},
+      {"misaligned x", [](Args& a) { a.x = odd(a.x); }, invalid},
+      {"misaligned logits", [](Args& a) { a.logits = odd(a.logits); }, invalid},
+      {"misaligned weight", [](Args& a) { a.weight = odd(a.weight); }, invalid},
+      {"misaligned bias", [](Args& a) { a.bias = odd(a.bias); }, invalid},
+      {"misaligned out", [](Args& a) { a.out = odd(a.out); }, invalid},
+      {"negative tokens", [](Args& a) { a.tokens = -1; }, invalid},
+      {"tokens > max_tokens", [](Args& a) { a.tokens = 513; }, range},
+      {"out overlaps x", [](Args& a) { a.out = reinterpret_cast<G*>(const_cast<X*>(a.x) + 64); },
        invalid},
-      {"caller buffers: null stats", [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, M, nullptr); },
+      {"out overlaps weight", [W](Args& a) { a.out = W + 4; }, invalid},
+      {"out overlaps logits",
+       [](Args& a) { a.out = reinterpret_cast<G*>(const_cast<Lg*>(a.logits)); }, invalid},
+      {"out overlaps bias", [](Args& a) { a.out = const_cast<G*>(a.bias); }, invalid},
+      {"null mixed, stats given", [](Args& a) { a.mixed = nullptr; }, invalid},
+      {"null stats, mixed given", [](Args& a) { a.stats = nullptr; }, invalid},
+      {"misaligned mixed", [](Args& a) { a.mixed = odd(a.mixed); }, invalid},
+      {"misaligned stats", [](Args& a) { a.stats = odd(a.stats); }, invalid},
+      {"mixed overlaps x", [](Args& a) { a.mixed = reinterpret_cast<G*>(const_cast<X*>(a.x)); },
        invalid},
-      {"caller buffers: misaligned mixed",
-       [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, odd(M), S); }, invalid},
-      {"caller buffers: misaligned stats",
-       [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, M, odd(S)); }, invalid},
-      {"caller buffers: mixed is x", [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, X, S); },
-       invalid},
-      {"caller buffers: mixed overlaps out",
-       [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, Y + 1, S); }, invalid},
-      {"caller buffers: stats in weight",
-       [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, M, reinterpret_cast<float*>(W)); }, invalid},
-      {"caller buffers: stats in mixed",
-       [&](L& a) { a.forward(X, Lg, W, B, Y, tokens, M, reinterpret_cast<float*>(M)); }, invalid},
+      {"mixed overlaps out", [](Args& a) { a.mixed = a.out + 1; }, invalid},
+      {"stats in weight", [W](Args& a) { a.stats = reinterpret_cast<float*>(W); }, invalid},
+      {"stats in mixed", [M](Args& a) { a.stats = reinterpret_cast<float*>(M); }, invalid},
   };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    L layer(in, out, 512);
-    for (auto [p, n] : {std::pair<void*, std::size_t>{Y, y.size() * sizeof(T)},
-                        {M, m.size() * sizeof(T)},
-                        {S, st.size() * sizeof(float)}})
-      QBL_ASSERT_CUDA(cudaMemset(p, qbl_test::poison_byte, n));
-    switch (c.expect) {
-      case invalid:
-        EXPECT_THROW(c.call(layer), qbl::invalid_argument);
-        break;
-      case range:
-        EXPECT_THROW(c.call(layer), qbl::out_of_range);
-        break;
-      case logic:
-        EXPECT_THROW(c.call(layer), qbl::logic_error);
-        break;
-    }
-    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    for (auto [p, n] : {std::pair<const void*, std::size_t>{Y, y.size() * sizeof(T)},
-                        {M, m.size() * sizeof(T)},
-                        {S, st.size() * sizeof(float)}}) {
+  L layer(in, out, 512);
+  auto poison_and_check = [&](bool check) {
+    for (auto [p, n] : {std::pair<void*, std::size_t>{y.get(), y.size() * sizeof(G)},
+                        {m.get(), m.size() * sizeof(G)},
+                        {st.get(), st.size() * sizeof(float)}}) {
+      if (!check) {
+        QBL_ASSERT_CUDA(cudaMemset(p, qbl_test::poison_byte, n));
+        continue;
+      }
       std::vector<unsigned char> bytes(n);
       QBL_ASSERT_CUDA(cudaMemcpy(bytes.data(), p, n, cudaMemcpyDeviceToHost));
       for (std::size_t i = 0; i < n; ++i)
         ASSERT_EQ(bytes[i], qbl_test::poison_byte) << "written at byte " << i;
     }
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    Args args;
+    args.x = x.get(), args.logits = l.get(), args.weight = W, args.bias = b.get();
+    args.out = y.get(), args.mixed = M, args.stats = st.get(), args.tokens = tokens;
+    c.change(args);
+    poison_and_check(false);
+    EXPECT_FALSE(layer.forward_plan().supports(args));
+    if (c.expect == invalid) {
+      EXPECT_THROW(layer.forward(args), qbl::invalid_argument);
+    } else {
+      EXPECT_THROW(layer.forward(args), qbl::out_of_range);
+    }
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    poison_and_check(true);
+  }
+  {
+    SCOPED_TRACE("use after move");
+    poison_and_check(false);
+    L taken = std::move(layer);
+    EXPECT_THROW(layer.forward(x.get(), l.get(), W, b.get(), y.get(), tokens), qbl::logic_error);
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    poison_and_check(true);
   }
 }
 
@@ -324,14 +246,12 @@ TEST(QuantBlendLinearCapture, ForwardAndBackwardAllocateNothingAndNeverSynchroni
   qbl::Options o;
   o.backward = true;
   Layer layer(in, out, tokens, o);
-  Layer::Gradients g;
-  g.x = gx.get(), g.logits = gl.get(), g.weight = gw.get(), g.bias = gb.get();
   auto step = [&] {
     io.forward(layer, s);
-    layer.forward(io.x.get(), io.l.get(), io.w.get(), io.b.get(), y2.get(), tokens, mixed.get(),
-                  stats.get(), s);
-    layer.backward(go.get(), io.x.get(), io.l.get(), io.w.get(), mixed.get(), stats.get(), tokens,
-                   g, s);
+    layer.forward(io.args(y2.get(), mixed.get(), stats.get()), s);
+    layer.backward(io.backward_args(go.get(), mixed.get(), stats.get(), gx.get(), gl.get(),
+                                    gw.get(), gb.get()),
+                   s);
   };
   auto fetch = [&] {
     std::vector<std::vector<float>> r;
@@ -371,8 +291,15 @@ TEST(QuantBlendLinearCapture, ForwardAndBackwardAllocateNothingAndNeverSynchroni
 }
 
 // Options::cublas_workspace_bytes = 0: the GEMMs plan among algorithms that need no workspace;
-// forward and backward must still be right (against an instance with the default workspace, to
-// the GEMMs' accuracy: cuBLASLt may choose other algorithms and sum in another order).
+// forward and backward must still be right: out, grad_weight and grad_bias within the GEMMs'
+// bounds of their float64 values (tests/tolerance.hpp), grad_x within dgrad's bound times
+// 1 - alpha, and grad_logits against an instance with the default workspace (a difference of
+// nearly equal sums, which amplifies the GEMMs' last-bit differences).
+__global__ void sigmoid_of(const float* l, float* alpha, std::int64_t n) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) alpha[i] = qbl::sigmoid(l[i]);
+}
+
 TEST(QuantBlendLinearOptions, ZeroCublasWorkspaceStillComputesEverything) {
   QBL_REQUIRE_GPU();
   const std::int64_t tokens = 200, in = 256, out = 96;
@@ -380,28 +307,31 @@ TEST(QuantBlendLinearOptions, ZeroCublasWorkspaceStillComputesEverything) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   Buffers io(tokens, in, out, seed);
   qbl_test::DeviceArray<float> go(tokens * out), mixed(tokens * in), stats(2), gx(tokens * in),
-      gl(tokens), gw(out * in), gb(out);
-  QBL_ASSERT_CUDA(qbl_test::to_device(go.get(), qbl_test::randn(tokens * out, seed + 7)));
+      gl(tokens), gw(out * in), gb(out), alpha(tokens);
+  const std::vector<float> g = qbl_test::randn(tokens * out, seed + 7);
+  QBL_ASSERT_CUDA(qbl_test::to_device(go.get(), g));
   auto run = [&](std::size_t workspace) {
     qbl::Options o;
     o.backward = true;
     o.cublas_workspace_bytes = workspace;
+    o.overlap_wgrad = qbl::Choice::yes;  // two GEMM workspaces
     Layer layer(in, out, tokens, o);
-    EXPECT_EQ(Layer::workspace_bytes(in, out, tokens, o), 2 * sizeof(float) + 16 +
-                                                              2 * tokens * in * sizeof(float) +
-                                                              out * sizeof(float) + 2 * workspace);
-    Layer::Gradients g;
-    g.x = gx.get(), g.logits = gl.get(), g.weight = gw.get(), g.bias = gb.get();
+    // stats, mixed, and the larger workspace -- the backward's: two cuBLASLt workspaces, the
+    // column sum's 64 x out floats, the bias scratch and g_mixed, each 256-byte aligned.
+    const std::size_t ws = (workspace + 255) / 256 * 256;
+    EXPECT_EQ(Layer::workspace_bytes(in, out, tokens, o),
+              2 * sizeof(float) + tokens * in * sizeof(float) +
+                  std::max<std::size_t>(4096 + workspace,
+                                        2 * ws + 64 * out * 4 + 512 + tokens * in * sizeof(float)));
     for (auto* a : {&io.y, &gx, &gl, &gw, &gb})
       EXPECT_EQ(cudaMemset(a->get(), qbl_test::poison_byte, a->size() * sizeof(float)),
                 cudaSuccess);
-    layer.forward(io.x.get(), io.l.get(), io.w.get(), io.b.get(), io.y.get(), tokens, mixed.get(),
-                  stats.get());
-    layer.backward(go.get(), io.x.get(), io.l.get(), io.w.get(), mixed.get(), stats.get(), tokens,
-                   g);
+    layer.forward(io.args(io.y.get(), mixed.get(), stats.get()));
+    layer.backward(io.backward_args(go.get(), mixed.get(), stats.get(), gx.get(), gl.get(),
+                                    gw.get(), gb.get()));
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<std::vector<float>> r;
-    for (auto* a : {&io.y, &gx, &gl, &gw, &gb}) {
+    for (auto* a : {&io.y, &gx, &gl, &gw, &gb, &mixed}) {
       r.emplace_back(a->size());
       EXPECT_EQ(qbl_test::to_host(r.back(), a->get()), cudaSuccess);
     }
@@ -413,15 +343,42 @@ TEST(QuantBlendLinearOptions, ZeroCublasWorkspaceStillComputesEverything) {
   };
   const auto want = run(qbl::Options{}.cublas_workspace_bytes);
   const auto got = run(0);
-  const char* names[] = {"out", "grad_x", "grad_logits", "grad_weight", "grad_bias"};
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    SCOPED_TRACE(names[i]);
-    std::vector<double> ref(want[i].begin(), want[i].end());
+  for (std::size_t i = 0; i + 1 < got.size(); ++i)
     for (std::size_t k = 0; k < got[i].size(); ++k)
-      ASSERT_FALSE(std::isnan(got[i][k])) << "unwritten " << k;
-    // grad_logits differences of nearly equal sums amplify the GEMM's last-bit differences.
-    EXPECT_LT(qbl_test::relative_error(got[i], ref), i == 2 ? 1e-3 : 1e-5);
-  }
+      ASSERT_FALSE(std::isnan(got[i][k])) << "output " << i << " unwritten at " << k;
+  // The inputs as the device holds them, and alpha from the device's sigmoid.
+  std::vector<float> x(tokens * in), w(out * in), b(out), a(tokens);
+  QBL_ASSERT_CUDA(qbl_test::to_host(x, io.x.get()));
+  QBL_ASSERT_CUDA(qbl_test::to_host(w, io.w.get()));
+  QBL_ASSERT_CUDA(qbl_test::to_host(b, io.b.get()));
+  sigmoid_of<<<1, 256>>>(io.l.get(), alpha.get(), tokens);
+  QBL_ASSERT_CUDA(qbl_test::to_host(a, alpha.get()));
+  const std::vector<float> m = qbl_test::reference_mixed(qbl_test::DType::fp32, x, a, tokens, in);
+  EXPECT_TRUE(qbl_test::bits_equal(got[5], m)) << "mixed";
+  const auto fp32 = qbl_test::GemmArithmetic::of(qbl_test::DType::fp32);
+  EXPECT_TRUE(qbl_test::within_dot_bounds(
+      fp32, in + 1, got[0], qbl_test::linear_values(m, w, b.data(), tokens, in, out), "out"));
+  EXPECT_TRUE(qbl_test::within_dot_bounds(
+      fp32, tokens, got[3], qbl_test::wgrad_values(g, m, nullptr, tokens, in, out), "grad_weight"));
+  EXPECT_TRUE(qbl_test::bias_grad_within_bounds(qbl_test::DType::fp32, tokens, got[4],
+                                                qbl_test::bias_grad_values(g, tokens, out), nullptr,
+                                                "grad_bias"));
+  const auto dgrad = qbl_test::dgrad_values(g, w, tokens, in, out);
+  int bad = 0;
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t i = 0; i < in; ++i) {
+      const auto& v = dgrad[t * in + i];
+      const double oma = static_cast<float>(1.0 - a[t]);
+      const double bound =
+          oma * qbl_test::dot_bound(fp32, out, v) + 0x1p-23 * (std::fabs(v.exact * oma) + 1e-30);
+      const double e = got[1][t * in + i] - v.exact * oma;
+      if (!(std::fabs(e) <= bound * (1 + 0x1p-20)) && bad++ < 8)
+        ADD_FAILURE() << "grad_x[" << t << ", " << i << "]: " << got[1][t * in + i] << ", float64 "
+                      << v.exact * oma << " +- " << bound;
+    }
+  EXPECT_EQ(bad, 0) << "grad_x";
+  std::vector<double> ref(want[2].begin(), want[2].end());
+  EXPECT_LT(qbl_test::relative_error(got[2], ref), 1e-3) << "grad_logits";
 }
 
 // Options::allocator: every byte of the instance and of its planning comes from the caller's
@@ -466,12 +423,9 @@ TEST(QuantBlendLinearOptions, AllocatorServesEveryAllocationAndGetsItAllBack) {
       gl(tokens), gw(out * in), gb(out);
   QBL_ASSERT_CUDA(qbl_test::to_device(go.get(), qbl_test::randn(tokens * out, seed + 7)));
   auto run = [&](Layer& layer) {
-    Layer::Gradients g;
-    g.x = gx.get(), g.logits = gl.get(), g.weight = gw.get(), g.bias = gb.get();
-    layer.forward(io.x.get(), io.l.get(), io.w.get(), io.b.get(), io.y.get(), tokens, mixed.get(),
-                  stats.get());
-    layer.backward(go.get(), io.x.get(), io.l.get(), io.w.get(), mixed.get(), stats.get(), tokens,
-                   g);
+    layer.forward(io.args(io.y.get(), mixed.get(), stats.get()));
+    layer.backward(io.backward_args(go.get(), mixed.get(), stats.get(), gx.get(), gl.get(),
+                                    gw.get(), gb.get()));
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<std::vector<float>> r;
     for (auto* a : {&io.y, &mixed, &gx, &gl, &gw, &gb}) {
@@ -665,7 +619,8 @@ TEST(QuantBlendLinearDeterminism, SameInputsSameBitsAcrossInstancesAndRepeats) {
   Buffers buf(2049, 512, 384, qbl_test::fresh_seed());
   ASSERT_FALSE(qbl::Options{}.autotune);
   Layer a(512, 384, 4096), b(512, 384, 4096);
-  EXPECT_EQ(a.gemm().describe(2049, true), b.gemm().describe(2049, true));
+  EXPECT_EQ(a.forward_plan().gemm().describe(2049, true),
+            b.forward_plan().gemm().describe(2049, true));
   buf.forward(a);
   const auto ra = buf.result();
   for (Layer* layer : {&b, &a, &b}) {
@@ -822,11 +777,9 @@ std::vector<char> fixed_run() {
   qbl::Options o;
   o.backward = true;
   Layer layer(in, out, 1024, o);
-  Layer::Gradients g;
-  g.x = gx.get(), g.logits = gl.get(), g.weight = gw.get(), g.bias = gb.get();
-  layer.forward(io.x.get(), io.l.get(), io.w.get(), io.b.get(), io.y.get(), tokens, mixed.get(),
-                stats.get());
-  layer.backward(go.get(), io.x.get(), io.l.get(), io.w.get(), mixed.get(), stats.get(), tokens, g);
+  layer.forward(io.args(io.y.get(), mixed.get(), stats.get()));
+  layer.backward(
+      io.backward_args(go.get(), mixed.get(), stats.get(), gx.get(), gl.get(), gw.get(), gb.get()));
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<char> all;
   for (auto* a : {&io.y, &mixed, &stats, &gx, &gl, &gw, &gb}) {
@@ -888,10 +841,9 @@ TEST(QuantBlendLinearDevice, WrongCurrentDeviceThrowsBeforeLaunching) {
   QBL_ASSERT_CUDA(io.poison());
   QBL_ASSERT_CUDA(cudaSetDevice(1));
   EXPECT_THROW(io.forward(layer), qbl::invalid_argument);
-  Layer::Gradients g;
-  g.bias = io.b.get();
-  EXPECT_THROW(layer.backward(io.y.get(), nullptr, nullptr, nullptr, nullptr, nullptr, tokens, g),
-               qbl::invalid_argument);
+  Layer::BackwardArguments g;
+  g.grad_out = io.y.get(), g.tokens = tokens, g.grad_bias = io.b.get();
+  EXPECT_THROW(layer.backward(g), qbl::invalid_argument);
   QBL_ASSERT_CUDA(cudaSetDevice(0));
   std::vector<float> y(io.y.size());
   QBL_ASSERT_CUDA(qbl_test::to_host(y, io.y.get()));

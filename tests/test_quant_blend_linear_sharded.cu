@@ -99,10 +99,18 @@ template <typename T>
   return ::testing::AssertionSuccess();
 }
 
+/// The forward's arguments over a problem's buffers, keeping mixed and stats.
+template <typename T>
+typename qbl::QuantBlendLinear<T>::ForwardArguments args_of(Buffers<T>& r, std::int64_t tokens) {
+  typename qbl::QuantBlendLinear<T>::ForwardArguments a;
+  a.x = r.x.get(), a.logits = r.l.get(), a.weight = r.w.get(), a.bias = r.b.get();
+  a.out = r.y.get(), a.mixed = r.mixed.get(), a.stats = r.stats.get(), a.tokens = tokens;
+  return a;
+}
+
 template <typename T>
 void fused(qbl::QuantBlendLinear<T>& layer, Buffers<T>& r, std::int64_t tokens) {
-  layer.forward(r.x.get(), r.l.get(), r.w.get(), r.b.get(), r.y.get(), tokens, r.mixed.get(),
-                r.stats.get());
+  layer.forward(args_of(r, tokens));
 }
 
 TYPED_TEST(ShardedForward, SplitStepsEqualTheFusedForwardBitForBit) {
@@ -121,8 +129,7 @@ TYPED_TEST(ShardedForward, SplitStepsEqualTheFusedForwardBitForBit) {
       Buffers<T> want(p), got(p);
       fused(layer, want, p.tokens);
       layer.forward_local_amax(got.x.get(), p.tokens, got.stats.get());
-      layer.forward_from_amax(got.x.get(), got.l.get(), got.w.get(), got.b.get(), got.y.get(),
-                              p.tokens, got.mixed.get(), got.stats.get());
+      layer.forward_from_amax(args_of(got, p.tokens));
       QBL_ASSERT_CUDA(cudaDeviceSynchronize());
       EXPECT_TRUE(qbl_test::bits_equal(Buffers<T>::host(got.stats), Buffers<T>::host(want.stats)));
       EXPECT_TRUE(
@@ -195,8 +202,7 @@ TYPED_TEST(ShardedForward, ShardsWithTheMaxOfTheirAmaxBitsEqualTheUnshardedLayer
       QBL_ASSERT_CUDA(max_bits(d_list.get(), static_cast<int>(parts.size()), nullptr));
       for (std::size_t s = 0; s < parts.size(); ++s) {
         Buffers<T>& r = *runs[s];
-        layers[s]->forward_from_amax(r.x.get(), r.l.get(), r.w.get(), r.b.get(), r.y.get(),
-                                     parts[s].tokens, r.mixed.get(), r.stats.get());
+        layers[s]->forward_from_amax(args_of(r, parts[s].tokens));
       }
       QBL_ASSERT_CUDA(cudaDeviceSynchronize());
       for (std::size_t s = 0; s < parts.size(); ++s) {
@@ -265,8 +271,7 @@ TEST(ShardedForwardEdges, CapturedStepsReplayTheDirectResult) {
   auto steps = [&](Buffers<float>& r, float* const* list) {
     layer.forward_local_amax(r.x.get(), p.tokens, r.stats.get(), s);
     EXPECT_EQ(max_bits(list, 1, s), cudaSuccess);
-    layer.forward_from_amax(r.x.get(), r.l.get(), r.w.get(), r.b.get(), r.y.get(), p.tokens,
-                            r.mixed.get(), r.stats.get(), s);
+    layer.forward_from_amax(args_of(r, p.tokens), s);
   };
   qbl_test::DeviceArray<float*> l1(1), l2(1);
   QBL_ASSERT_CUDA(qbl_test::to_device(l1.get(), std::vector<float*>{direct.stats.get()}));

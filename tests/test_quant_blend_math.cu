@@ -183,7 +183,7 @@ __device__ void note_mismatch(Mismatches* m, unsigned long long n, unsigned pair
 /// Block s (every 16-bit pattern) runs the kernel's code on every x, eight at a time.
 template <typename T>
 __global__ void every_code(Mismatches* m) {
-  using Math = qbl::detail::QuantBlendMath<T, 8>;
+  using Math = qbl::detail::QuantBlendMath<T, T, T, 8>;
   using T2 = typename Math::T2;
   const float s = value_of<T>(blockIdx.x);
   Math math;

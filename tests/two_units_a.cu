@@ -14,4 +14,6 @@ int main() {
 
 // Instantiate the device code in both units.
 template cudaError_t qbl::amax_quant_blend<float>(const float*, const float*, float*, std::int64_t,
-                                                  std::int64_t, float*, float*, cudaStream_t);
+                                                  std::int64_t, float*, float*, void*,
+                                                  cudaStream_t);
+template class qbl::QuantBlendLinear<float, __nv_bfloat16, __nv_bfloat16>;

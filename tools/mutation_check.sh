@@ -50,6 +50,9 @@ mutants=(
   "one_minus_unrounded|host|1 - alpha not rounded to T"
   "grad_x_alpha|host|grad_x multiplies g by alpha instead of 1 - alpha"
   "grad_x_no_zero_term|host|grad_x drops the + 0/scale term (QuantGrad::zero)"
+  "grad_logits_plain_sums|device|the backward's row sums are plain fp32 sums (no compensation)"
+  "column_sum_half_rows|device|the bias gradient's column sum skips every other group of rows"
+  "prologue_one_partial|device|the prologue's amax is the first amax block's maximum only"
 )
 
 em=include/qbl/element_math.cuh
@@ -90,6 +93,17 @@ m_grad_x_alpha() {
 m_grad_x_no_zero_term() {
   subst $em 'return round_to<T>(add_rn(other, direct));' \
             'return mode == QuantGrad::straight_through ? round_to<T>(add_rn(other, direct)) : direct;'
+}
+
+bw=include/qbl/detail/quant_blend_backward.inl
+m_grad_logits_plain_sums() {
+  subst $bw 'low = fabsf(t) < INFINITY ? sub_rn(sub_rn(t, sum), y) : 0.0f;' 'low = 0.0f;'
+}
+m_column_sum_half_rows() {
+  subst $bw 'r += column_sum_row_lanes \* R)' 'r += 2 * column_sum_row_lanes * R)'
+}
+m_prologue_one_partial() {
+  subst include/qbl/detail/quant_blend.inl 'i < src.count; i += THREADS)' 'i < 1; i += THREADS)'
 }
 
 table() { awk -F'|' '{ printf "%-20s %-6s %s\n", $1, $2, $3; if (NF > 3) printf "%28s%s\n", "", $4 }'; }

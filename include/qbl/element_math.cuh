@@ -214,10 +214,14 @@ QBL_HOST_DEVICE float grad_product(float g, float v) {
 /// dL/dalpha for one token from the two fp32 sums over its features, sum_q = sum_f RN_T(g * x_q)
 /// and sum_x = sum_f RN_T(g * x): each sum rounded to T (eager's sum_to_size), then
 /// RN_T(sum_q - sum_x) (the rsub's negated gradient added to the other).
-template <typename T = float>
+///
+/// With logits of another type L (PyTorch's autocast: a bf16 gate beside fp32 x), the products
+/// and sums are in T (the blend's promoted type) and autograd casts each reduced sum to L before
+/// the two meet: RN_L(RN_L(RN_T(sum_q)) - RN_L(RN_T(sum_x))).
+template <typename T = float, typename L = T>
 QBL_HOST_DEVICE float grad_alpha_value(float sum_q, float sum_x) {
-  return detail::round_to<T>(
-      detail::sub_rn(detail::round_to<T>(sum_q), detail::round_to<T>(sum_x)));
+  return detail::round_to<L>(detail::sub_rn(detail::round_to<L>(detail::round_to<T>(sum_q)),
+                                            detail::round_to<L>(detail::round_to<T>(sum_x))));
 }
 
 /// dL/dlogit = sigmoid_backward(grad_alpha, alpha) as eager's kernel computes it: in fp32,

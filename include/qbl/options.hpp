@@ -1,4 +1,4 @@
-// qbl/options.hpp -- construction-time settings of qbl::QuantBlendLinear and qbl::LinearGemm.
+// qbl/options.hpp -- construction-time settings of qbl's plans and of qbl::QuantBlendLinear.
 #pragma once
 
 #include <cstddef>
@@ -26,18 +26,26 @@ struct DeviceAllocator {
   void* context = nullptr;  ///< passed to both
 };
 
+/// A choice a plan makes from its shape when it is made, unless the caller forces it.
+enum class Choice {
+  by_shape,  ///< the plan decides from its shape (measured rules, see the field's comment)
+  yes,       ///< always
+  no,        ///< never
+};
+
 /// Every field has a default that suits an H200; construct with `{}` and override what you need.
 ///
 ///   qbl::Options opt;
 ///   opt.cublas_workspace_bytes = 4u << 20;
 ///   qbl::QuantBlendLinear<float> layer(4096, 4096, 16384, opt);
 struct Options {
-  /// cuBLASLt workspace owned by the layer (Hopper's recommended size). 0 restricts the GEMM to
+  /// cuBLASLt workspace of each GEMM (Hopper's recommended size). 0 restricts the GEMMs to
   /// algorithms that need none.
   std::size_t cublas_workspace_bytes = 32u << 20;
 
-  /// fp32 only: run the GEMM as CUBLAS_COMPUTE_32F_FAST_TF32 (torch.backends.cuda.matmul.allow_tf32
-  /// = True). Off by default, so results match PyTorch's default fp32 matmul.
+  /// fp32 GEMMs only: run them as CUBLAS_COMPUTE_32F_FAST_TF32
+  /// (torch.backends.cuda.matmul.allow_tf32 = True). Off by default, so results match PyTorch's
+  /// default fp32 matmul.
   bool allow_tf32 = false;
 
   /// At construction, time up to `autotune_candidates` cuBLASLt heuristic candidates for every
@@ -50,23 +58,22 @@ struct Options {
   bool autotune = false;
   int autotune_candidates = 8;
 
-  /// Plan the backward pass at construction (its two GEMMs, dgrad and wgrad) and allocate its
-  /// scratch, so that QuantBlendLinear::backward() can run. Off by default: an inference-only
-  /// instance plans and allocates nothing for the backward, and backward() throws.
+  /// qbl::QuantBlendLinear: plan the backward pass at construction (its two GEMMs, dgrad and
+  /// wgrad) and size the workspace for it, so that backward() can run. Off by default: an
+  /// inference-only instance plans and allocates nothing for the backward, and backward() throws.
   bool backward = false;
 
-  /// The forward's prologue (amax, then quant-blend) as one cooperative launch that reads x once,
-  /// where x fits in the chip's registers and shared memory (about 32 MB on an H200; larger x
-  /// keeps the two-pass prologue). Off (the default): the two-pass prologue of
-  /// qbl::amax_quant_blend (a memset, the amax kernel, the quant-blend kernel; x read twice).
-  /// Both give the same bits. Off by default because on an H200 it measured no faster: the
-  /// blend's arithmetic cannot start before the grid-wide barrier, which costs what the second
-  /// read saved (benchmarks/RESULTS.md). The cooperative launch needs its whole grid resident at
-  /// once; where the device refuses such a grid the forward runs the two-pass prologue instead,
-  /// except during stream capture, where CUDA invalidates the capture on the refusal (the grid is
-  /// sized at construction from the occupancy calculator, so only a device whose usable
-  /// multiprocessors shrink afterwards refuses it).
-  bool one_pass = false;
+  /// The backward's weight gradient (and bias gradient) on a second stream beside its input
+  /// gradient, or after it on the caller's stream. by_shape: beside each other below a measured
+  /// size (on an H200 that was faster at every shape measured, so there is no limit yet;
+  /// qbl::BackwardPlan::overlaps() says which). The bits are the same either way.
+  Choice overlap_wgrad = Choice::by_shape;
+
+  /// The bias gradient from the wgrad GEMM's CUBLASLT_EPILOGUE_BGRADB, or from qbl's column-sum
+  /// kernel over grad_out. by_shape: whichever measured faster for such shapes
+  /// (qbl::BackwardPlan::bias_from_epilogue() says which). Both are deterministic, in different
+  /// summation orders: the choice can change grad_bias's last bits.
+  Choice bias_from_epilogue = Choice::by_shape;
 
   /// Device memory of the instance and of its planning (default: cudaMalloc / cudaFree).
   DeviceAllocator allocator;

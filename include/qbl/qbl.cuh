@@ -8,7 +8,8 @@
 #include <qbl/amax.cuh>
 #include <qbl/element_math.cuh>
 #include <qbl/error.hpp>
-#include <qbl/gemm.hpp>
+#include <qbl/gemm.cuh>
+#include <qbl/layer_plans.cuh>
 #include <qbl/options.hpp>
 #include <qbl/quant_blend.cuh>
 #include <qbl/quant_blend_backward.cuh>

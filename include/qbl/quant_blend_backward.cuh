@@ -1,25 +1,34 @@
-// qbl/quant_blend_backward.cuh -- the quant-blend stage's backward, on the device.
+// qbl/quant_blend_backward.cuh -- the quant-blend stage's backward, and the bias gradient, on the
+// device.
 //
 // Given g_mixed = dL/dmixed [tokens, features] (the layer's dgrad GEMM, grad_out · weight), the
 // inputs of the forward and its scale, one launch computes
 //   grad_x[r, c]   = grad_x_value(g_mixed[r, c], alpha_r, 1 - alpha_r, scale, quant_grad)
-//   grad_logits[r] = grad_logit_value(grad_alpha_value(sum_c RN_T(g * x_q), sum_c RN_T(g * x)),
+//   grad_logits[r] = grad_logit_value(grad_alpha_value(sum_c RN(g * x_q), sum_c RN(g * x)),
 //   alpha_r)
 // with alpha_r = sigmoid(logits[r]) and x_q = fake_quant(x, scale): the autograd of the reference
-// module, op by op as eager rounds it (qbl/element_math.cuh). grad_x is bit-identical to eager's;
-// grad_logits differs from eager's only by the order of the two fp32 sums over the features.
+// module, op by op as eager rounds it (qbl/element_math.cuh). grad_x is bit-identical to eager's.
+// The two sums over the features are compensated (each lane's terms in Kahan's summation, the
+// lanes combined by exact two-sums in a fixed order): deterministic, and within a few units of
+// fp32's last place of the exact sums whatever the row length, where eager's plain fp32
+// reduction loses more as rows grow; so grad_logits differs from eager's only where eager's own
+// sums err.
 //
 //   qbl::quant_blend_backward(d_g_mixed, d_x, d_logits, d_scale, d_grad_x, d_grad_logits,
 //                             tokens, features, qbl::QuantGrad::zero, stream);
 //
+// Element types as in qbl/quant_blend.cuh: g_mixed of the GEMM's type G, x and grad_x of X,
+// logits and grad_logits of L -- one type, or fp32 x with a bf16/fp16 GEMM (PyTorch's autocast).
 // x, g_mixed and grad_x are row-major and contiguous; any element alignment is accepted (16-byte
-// vectors where all three allow them and a row is a whole number of vectors).
+// vectors of x where all three allow them and a row is a whole number of vectors).
 #pragma once
 
 #include <qbl/detail/config.cuh>
+#include <qbl/detail/vec.cuh>
 #include <qbl/element_math.cuh>
 #include <qbl/options.hpp>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace qbl {
@@ -29,29 +38,45 @@ namespace qbl {
 /// \param d_g_mixed      [tokens, features] dL/dmixed
 /// \param d_x            [tokens, features] the forward's input (read only for grad_logits)
 /// \param d_logits       [tokens] the forward's gate logits
-/// \param d_scale        device scalar: the forward's scale (QuantBlendLinear's stats[1])
-/// \param d_grad_x       [tokens, features] output, or nullptr (not wanted). May be d_g_mixed
-///                       itself (computed in place); must not overlap anything else.
+/// \param d_scale        device scalar: the forward's scale (stats[1] of the layer's forward)
+/// \param d_grad_x       [tokens, features] output, or nullptr (not wanted). Where G and X are
+///                       one type it may be d_g_mixed itself (computed in place); it must not
+///                       overlap anything else.
 /// \param d_grad_logits  [tokens] output, or nullptr (not wanted)
 /// \param quant_grad     the quantizer's gradient: the reference's zero, or straight-through
 ///
 /// One kernel launch, no synchronization, no allocation. tokens == 0, or both outputs null,
 /// launches nothing. Returns cudaErrorInvalidValue (nothing launched) for negative sizes or a
-/// null input that a wanted output needs.
-template <typename T>
-cudaError_t quant_blend_backward(const T* d_g_mixed, const T* d_x, const T* d_logits,
-                                 const float* d_scale, T* d_grad_x, T* d_grad_logits,
-                                 std::int64_t tokens, std::int64_t features,
-                                 QuantGrad quant_grad = QuantGrad::zero,
+/// null input that a wanted output needs. The element types are g_mixed's (deduced), x's and the
+/// logits' (both g_mixed's unless given: quant_blend_backward<__nv_bfloat16, float> for a bf16
+/// g_mixed with fp32 x and logits).
+template <typename G, typename X = G, typename L = X>
+cudaError_t quant_blend_backward(const G* d_g_mixed, const detail::type_identity_t<X>* d_x,
+                                 const detail::type_identity_t<L>* d_logits, const float* d_scale,
+                                 detail::type_identity_t<X>* d_grad_x,
+                                 detail::type_identity_t<L>* d_grad_logits, std::int64_t tokens,
+                                 std::int64_t features, QuantGrad quant_grad = QuantGrad::zero,
                                  cudaStream_t stream = nullptr);
 
+/// Workspace bias_grad uses for `outs` columns: fp32 partial sums of up to 64 row ranges.
+constexpr std::size_t bias_grad_workspace_bytes(std::int64_t outs) {
+  return outs > 0 ? static_cast<std::size_t>(outs) * 64 * sizeof(float) : 0;
+}
+
 /// grad_bias[o] = sum over tokens of grad_out[t, o]: fp32 accumulation in a fixed order
-/// (deterministic), rounded once to T; with `accumulate`, grad_bias[o] = RN_T(grad_bias[o] + that)
-/// as autograd accumulates a parameter's .grad. grad_out [tokens, outs] row-major. tokens == 0
-/// launches nothing. One launch, no synchronization.
+/// (deterministic for a given device: the row ranges follow its multiprocessor count), rounded
+/// once to T; with `accumulate`, grad_bias[o] = RN_T(grad_bias[o] + that) as autograd
+/// accumulates a parameter's .grad. grad_out [tokens, outs] row-major.
+///
+/// With a workspace of bias_grad_workspace_bytes(outs) bytes (4-byte aligned), the rows are
+/// split into ranges summed by separate blocks and a second launch adds the ranges' sums, in
+/// order: two launches at memory bandwidth. With d_workspace == nullptr, one launch of one
+/// range per column block (slower for many tokens; other bits than with a workspace).
+/// tokens == 0 launches nothing. No synchronization.
 template <typename T>
 cudaError_t bias_grad(const T* d_grad_out, T* d_grad_bias, std::int64_t tokens, std::int64_t outs,
-                      bool accumulate = false, cudaStream_t stream = nullptr);
+                      bool accumulate = false, void* d_workspace = nullptr,
+                      cudaStream_t stream = nullptr);
 
 }  // namespace qbl
 

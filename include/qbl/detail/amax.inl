@@ -74,6 +74,28 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   if (threadIdx.x == 0 && m != 0) atomicMax(amax_bits, m);
 }
 
+/// Per-block maxima for a consumer that combines them itself (the layer's prologue: the
+/// quant-blend kernel reduces them after its grid-dependency wait). partials[blockIdx.x] gets the
+/// block's max of abs_bits: no atomics, and nothing to reset between calls.
+template <typename T, int BLOCK_THREADS, int N>
+QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
+    amax_partials_kernel(const T* __restrict__ x, std::int64_t n, std::int64_t head,
+                         std::uint32_t* __restrict__ partials) {
+  using BlockAmax = BlockAbsMax<T, BLOCK_THREADS>;
+  __shared__ typename BlockAmax::TempStorage temp;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+  const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * BLOCK_THREADS + threadIdx.x;
+  const std::int64_t threads = static_cast<std::int64_t>(gridDim.x) * BLOCK_THREADS;
+  const std::uint32_t m =
+      BlockAmax(temp).reduce_bits(thread_abs_max_bits<T, N>(x, n, head, thread, threads));
+  if (threadIdx.x == 0) partials[blockIdx.x] = m;
+}
+
+/// The most blocks an amax launch uses, and so the most partial maxima the prologue combines.
+inline constexpr int amax_max_blocks = 1024;
+
 /// Elements before the first 16-byte-aligned one (x must be aligned to sizeof(T)).
 template <typename T>
 std::int64_t aligned_head(const T* x, std::int64_t n) {
@@ -87,23 +109,45 @@ std::int64_t aligned_head(const T* x, std::int64_t n) {
 
 namespace qbl::detail {
 
-/// qbl::amax with the device's multiprocessor count given (QuantBlendLinear computes it once).
+/// Blocks of an amax launch over n elements of T starting at `head` aligned ones: enough
+/// resident blocks to fill every multiprocessor (each thread then loops), at most amax_max_blocks.
 template <typename T>
-cudaError_t amax_launch(const T* d_x, std::int64_t n, float* d_amax, int sms, cudaStream_t stream) {
+std::int64_t amax_blocks(std::int64_t n, std::int64_t head, int sms) {
+  const std::int64_t work = std::max<std::int64_t>((n - head) / vec16<T>, 1);
+  return std::min<std::int64_t>({ceil_div<std::int64_t>(work, amax_block_threads),
+                                 std::int64_t{sms} * 4, std::int64_t{amax_max_blocks}});
+}
+
+/// qbl::amax with the device's multiprocessor count given (the plans ask for it once).
+/// `bytes_to_zero` >= 4 bytes from d_amax are zeroed first (one memset).
+template <typename T>
+cudaError_t amax_launch(const T* d_x, std::int64_t n, float* d_amax, int sms, cudaStream_t stream,
+                        std::size_t bytes_to_zero = sizeof(float)) {
   if (n < 0 || (n > 0 && d_x == nullptr) || d_amax == nullptr || sms < 1)
     return cudaErrorInvalidValue;
-  QBL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_amax, 0, sizeof(float), stream));
+  QBL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_amax, 0, bytes_to_zero, stream));
   if (n == 0) return cudaSuccess;
 
   constexpr int threads = amax_block_threads;
   constexpr int N = vec16<T>;
   const std::int64_t head = aligned_head(d_x, n);
-  const std::int64_t work = std::max<std::int64_t>((n - head) / N, 1);
-  // Enough resident blocks to fill every multiprocessor; each thread then loops.
-  const std::int64_t blocks =
-      std::min<std::int64_t>(ceil_div<std::int64_t>(work, threads), std::int64_t{sms} * 4);
+  const std::int64_t blocks = amax_blocks<T>(n, head, sms);
   amax_kernel<T, threads, N><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
       d_x, n, head, reinterpret_cast<std::uint32_t*>(d_amax));
+  return cudaGetLastError();
+}
+
+/// The per-block maxima of x[0, n) into partials[0, *count) (n > 0); *count is the grid size.
+template <typename T>
+cudaError_t amax_partials_launch(const T* d_x, std::int64_t n, std::uint32_t* partials, int sms,
+                                 int* count, cudaStream_t stream) {
+  constexpr int threads = amax_block_threads;
+  constexpr int N = vec16<T>;
+  const std::int64_t head = aligned_head(d_x, n);
+  const std::int64_t blocks = amax_blocks<T>(n, head, sms);
+  *count = static_cast<int>(blocks);
+  amax_partials_kernel<T, threads, N>
+      <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(d_x, n, head, partials);
   return cudaGetLastError();
 }
 

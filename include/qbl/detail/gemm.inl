@@ -1,9 +1,11 @@
-// Member definitions of qbl::LinearGemm (host-only).
+// Member definitions of qbl::GemmPlan.
 #pragma once
 
 #include <qbl/detail/align.hpp>
 #include <qbl/detail/handles.hpp>
-#include <qbl/gemm.hpp>
+#include <qbl/detail/linear_fallback.cuh>
+#include <qbl/gemm.cuh>
+#include <qbl/quant_blend_backward.cuh>
 
 #include <algorithm>
 #include <cstdint>
@@ -19,26 +21,14 @@
 namespace qbl::detail {
 
 template <typename V>
-void set_desc(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const V& v) {
-  QBL_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(d, attr, &v, sizeof v));
-}
-
-template <typename V>
-void set_layout(cublasLtMatrixLayout_t l, cublasLtMatrixLayoutAttribute_t attr, const V& v) {
-  QBL_CUBLAS_TRY(cublasLtMatrixLayoutSetAttribute(l, attr, &v, sizeof v));
+cublasStatus_t set_desc(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr,
+                        const V& v) noexcept {
+  return cublasLtMatmulDescSetAttribute(d, attr, &v, sizeof v);
 }
 
 template <typename V>
 void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr, const V& v) {
   QBL_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(p, attr, &v, sizeof v));
-}
-
-inline lt_layout make_layout(cudaDataType_t type, std::int64_t rows, std::int64_t cols,
-                             std::int64_t ld) {
-  cublasLtMatrixLayout_t l = nullptr;
-  QBL_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&l, type, static_cast<std::uint64_t>(rows),
-                                            static_cast<std::uint64_t>(cols), ld));
-  return lt_layout(l);
 }
 
 /// 1, 2, 4, ... below max_tokens, then max_tokens itself.
@@ -91,14 +81,34 @@ inline std::size_t pick_fastest(const std::vector<float>& ms) {
   return best;
 }
 
+/// The fallback kernel's strides for a column-major spec: row-major d[r, c] = D[c, r], so its
+/// rows are the spec's n, its columns m, its A(r, k) = op(B)[k, r] and B(c, k) = op(A)[c, k].
+inline FallbackGemm fallback_strides(const GemmSpec& s, std::int64_t m, std::int64_t n,
+                                     std::int64_t k) {
+  FallbackGemm g{n, m, k, 0, 0, 0, 0};
+  if (s.trans_b == CUBLAS_OP_N) {  // B stored k x n, ld k
+    g.a_rs = k, g.a_ks = 1;
+  } else {  // B stored n x k, ld n
+    g.a_rs = 1, g.a_ks = n;
+  }
+  if (s.trans_a == CUBLAS_OP_N) {  // A stored m x k, ld m
+    g.b_cs = 1, g.b_ks = m;
+  } else {  // A stored k x m, ld k
+    g.b_cs = k, g.b_ks = 1;
+  }
+  return g;
+}
+
 }  // namespace qbl::detail
 
 namespace qbl {
 
-/// Operands for the trial launches and for timing candidates at construction; freed when planning
-/// ends. Zeroed, so that trial launches read initialized memory.
+/// What planning needs for a while and frees when it ends: the preferences per alignment class,
+/// the operands for the trial launches and for timing candidates (zeroed, so that trial launches
+/// read initialized memory), a stream and two events.
 template <typename T>
 struct GemmPlan<T>::Scratch {
+  detail::lt_preference pref[align_classes];
   detail::device_buffer a, b, d, vector, workspace;
   detail::stream_ptr stream;
   detail::event_ptr start, stop;
@@ -114,7 +124,10 @@ struct GemmPlan<T>::Scratch {
 
 template <typename T>
 GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Options& options)
-    : spec_(spec), max_tokens_(max_tokens), workspace_bytes_(options.cublas_workspace_bytes) {
+    : spec_(spec),
+      max_tokens_(max_tokens),
+      workspace_bytes_(options.cublas_workspace_bytes),
+      compute_(gemm_traits<T>::compute_type(options)) {
   const bool tokens_n = spec.tokens == GemmSpec::Tokens::n;
   QBL_EXPECTS(spec.m > 0 && (tokens_n ? spec.k > 0 : spec.n > 0), qbl::invalid_argument,
               "features must be positive");
@@ -124,51 +137,30 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
   // columns of B (untransposed) and D; k is the columns of A (untransposed) and of B (transposed).
   QBL_EXPECTS(tokens_n ? !tb : (!ta && tb), qbl::invalid_argument,
               "the token count must be a stored column count of every operand that has it");
+  QBL_EXPECTS(spec.vector_epilogue == CUBLASLT_EPILOGUE_DEFAULT ||
+                  spec.vector_epilogue == CUBLASLT_EPILOGUE_BIAS ||
+                  (spec.vector_epilogue == CUBLASLT_EPILOGUE_BGRADB && tb),
+              qbl::invalid_argument,
+              "the vector epilogue is BIAS, or BGRADB of a transposed B, or none");
   (tokens_n ? spec_.n : spec_.k) = max_tokens;
   autotune_candidates_ = options.autotune ? std::clamp(options.autotune_candidates, 1, 16) : 0;
+  // BGRADB with m == 1 is not planned: on an H200 (cuBLASLt 13.1) fp16 wgrad products of a
+  // single row (in_features == 1) returned a wrong or partly unwritten bias gradient at some
+  // token counts, while the product itself was right. Those calls take the fallback path (the
+  // product on cuBLASLt where it can, the bias gradient from qbl's column sum).
+  vector_planned_ = spec_.vector_epilogue != CUBLASLT_EPILOGUE_DEFAULT &&
+                    !(spec_.vector_epilogue == CUBLASLT_EPILOGUE_BGRADB && spec_.m == 1);
 
-  constexpr cudaDataType_t type = gemm_traits<T>::data_type;
   cublasLtHandle_t h = nullptr;
   QBL_CUBLAS_TRY(cublasLtCreate(&h));
   handle_.reset(h);
 
-  for (int vec = 0; vec < 2; ++vec) {
-    if (vec == 1 && spec_.vector_epilogue == CUBLASLT_EPILOGUE_DEFAULT) continue;
-    // BGRADB with m == 1 is not planned: on an H200 (cuBLASLt 13.1) fp16 wgrad products of a
-    // single row (in_features == 1) returned a wrong or partly unwritten bias gradient at some
-    // token counts, while the product itself was right. run() with a vector then answers
-    // NOT_SUPPORTED and QuantBlendLinear sums the bias gradient with its own kernel.
-    if (vec == 1 && spec_.vector_epilogue == CUBLASLT_EPILOGUE_BGRADB && spec_.m == 1) continue;
-    cublasLtMatmulDesc_t d = nullptr;
-    QBL_CUBLAS_TRY(cublasLtMatmulDescCreate(&d, gemm_traits<T>::compute_type(options), CUDA_R_32F));
-    desc_[vec].reset(d);
-    detail::set_desc(d, CUBLASLT_MATMUL_DESC_TRANSA, spec_.trans_a);
-    detail::set_desc(d, CUBLASLT_MATMUL_DESC_TRANSB, spec_.trans_b);
-    const cublasLtEpilogue_t epilogue = vec ? spec_.vector_epilogue : CUBLASLT_EPILOGUE_DEFAULT;
-    detail::set_desc(d, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
-    if (vec && type != CUDA_R_32F) {
-      // The vector is stored in T (as nn.Linear's bias and its gradient); the epilogue works on
-      // the fp32 accumulator.
-      detail::set_desc(d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, type);
-    }
-  }
-  // Column-major views of contiguous operands: A stored m x k (or k x m transposed), B k x n (or
-  // n x k), D m x n, each with ld = its stored rows. The token count is always a stored column
-  // count (n of B and D, or k of A and B), so run() changes only those.
-  const std::int64_t a_rows = ta ? spec_.k : spec_.m, a_cols = ta ? spec_.m : spec_.k;
-  const std::int64_t b_rows = tb ? spec_.n : spec_.k, b_cols = tb ? spec_.k : spec_.n;
-  a_tokens_ = !tokens_n;
-  b_tokens_ = true;
-  d_tokens_ = tokens_n;
-  a_layout_ = detail::make_layout(type, a_rows, a_cols, a_rows);
-  b_layout_ = detail::make_layout(type, b_rows, b_cols, b_rows);
-  d_layout_ = detail::make_layout(type, spec_.m, spec_.n, spec_.m);
-
+  Scratch scratch;
   for (int cls = 0; cls < align_classes; ++cls) {
     if (class_bytes[cls] < sizeof(T)) continue;
     cublasLtMatmulPreference_t p = nullptr;
     QBL_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&p));
-    pref_[cls].reset(p);
+    scratch.pref[cls].reset(p);
     detail::set_pref(p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes_);
     if (gemm_traits<T>::reduction_schemes != CUBLASLT_REDUCTION_SCHEME_MASK) {
       detail::set_pref(p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
@@ -186,9 +178,8 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
 
   // Scratch operands for the trial launches (at each bucket's smallest token count, so at most
   // max_tokens / 2 + 1 tokens) and, with autotuning, for timing at max_tokens; 256 bytes of slack
-  // each so that a trial can place its pointers at exactly a class's alignment. Freed when
-  // planning ends. Zeroed on the scratch stream, so that the trials read initialized memory.
-  Scratch scratch;
+  // each so that a trial can place its pointers at exactly a class's alignment. Zeroed on the
+  // scratch stream.
   cudaStream_t s = nullptr;
   QBL_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   scratch.stream.reset(s);
@@ -200,6 +191,8 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
   const std::int64_t scratch_tokens = autotune_candidates_ > 0 || buckets_.size() < 2
                                           ? max_tokens_
                                           : buckets_[buckets_.size() - 2] + 1;
+  const std::int64_t a_rows = ta ? spec_.k : spec_.m, a_cols = ta ? spec_.m : spec_.k;
+  const std::int64_t b_rows = tb ? spec_.n : spec_.k;
   constexpr std::size_t slack = 256;
   auto zeroed = [&](std::int64_t rows, std::int64_t cols) {
     const std::size_t bytes = static_cast<std::size_t>(rows * cols) * sizeof(T) + slack;
@@ -207,9 +200,9 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
     QBL_CUDA_TRY(cudaMemsetAsync(b.get(), 0, bytes, scratch.stream.get()));
     return b;
   };
-  scratch.a = zeroed(a_rows, a_tokens_ ? scratch_tokens : a_cols);
+  scratch.a = zeroed(a_rows, tokens_n ? a_cols : scratch_tokens);
   scratch.b = zeroed(b_rows, scratch_tokens);
-  scratch.d = zeroed(spec_.m, d_tokens_ ? scratch_tokens : spec_.n);
+  scratch.d = zeroed(spec_.m, tokens_n ? scratch_tokens : spec_.n);
   scratch.vector = zeroed(std::max(spec_.m, spec_.n), 1);
   scratch.workspace = detail::device_buffer(workspace_bytes_, options.allocator);
   QBL_CUDA_TRY(cudaStreamSynchronize(scratch.stream.get()));
@@ -243,32 +236,63 @@ std::size_t GemmPlan<T>::bucket_of(std::int64_t tokens) const noexcept {
 }
 
 template <typename T>
-bool GemmPlan<T>::supports(const T* a, const T* b, const T* d, const void* vector,
-                           std::int64_t tokens) const noexcept {
+bool GemmPlan<T>::uses_cublaslt(const T* a, const T* b, const T* d, const void* vector,
+                                std::int64_t tokens) const noexcept {
   if (tokens < 1 || tokens > max_tokens_ || plans_.empty()) return false;
-  return plans_[bucket_of(tokens)]
-      .found[vector != nullptr ? 1 : 0][alignment_class(a, b, vector, d)];
+  const int vec = vector != nullptr ? 1 : 0;
+  if (vec && !vector_planned_) return false;
+  return plans_[bucket_of(tokens)].found[vec][alignment_class(a, b, vector, d)];
 }
 
+// The descriptors of one product with `tokens` tokens, initialized in `call`: the matmul
+// descriptor (transposes, epilogue, vector pointer and type) and the three layouts, the token
+// count being a stored column count of every operand that has it.
 template <typename T>
-void GemmPlan<T>::set_tokens(std::int64_t tokens) {
-  const auto n = static_cast<std::uint64_t>(tokens);
-  if (a_tokens_) detail::set_layout(a_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, n);
-  if (b_tokens_) detail::set_layout(b_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, n);
-  if (d_tokens_) detail::set_layout(d_layout_.get(), CUBLASLT_MATRIX_LAYOUT_COLS, n);
+cublasStatus_t GemmPlan<T>::describe_call(Call& call, int vec, std::int64_t tokens,
+                                          const void* vector) const noexcept {
+  constexpr cudaDataType_t type = gemm_traits<T>::data_type;
+  const bool tokens_n = spec_.tokens == GemmSpec::Tokens::n;
+  const std::int64_t n = tokens_n ? tokens : spec_.n, k = tokens_n ? spec_.k : tokens;
+  const bool ta = spec_.trans_a != CUBLAS_OP_N, tb = spec_.trans_b != CUBLAS_OP_N;
+  const auto u = [](std::int64_t v) { return static_cast<std::uint64_t>(v); };
+  cublasStatus_t st = cublasLtMatmulDescInit(&call.desc, compute_, CUDA_R_32F);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = detail::set_desc(&call.desc, CUBLASLT_MATMUL_DESC_TRANSA, spec_.trans_a);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = detail::set_desc(&call.desc, CUBLASLT_MATMUL_DESC_TRANSB, spec_.trans_b);
+  if (st == CUBLAS_STATUS_SUCCESS && vec) {
+    st = detail::set_desc(&call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, spec_.vector_epilogue);
+    // The vector is stored in T (as nn.Linear's bias and its gradient); the epilogue works on
+    // the fp32 accumulator.
+    if (st == CUBLAS_STATUS_SUCCESS && type != CUDA_R_32F)
+      st = detail::set_desc(&call.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, type);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = detail::set_desc(&call.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, vector);
+  }
+  // Column-major views of contiguous operands: A stored m x k (or k x m transposed), B k x n (or
+  // n x k), D m x n, each with ld = its stored rows.
+  const std::int64_t a_rows = ta ? k : spec_.m, a_cols = ta ? spec_.m : k;
+  const std::int64_t b_rows = tb ? n : k, b_cols = tb ? k : n;
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatrixLayoutInit(&call.a, type, u(a_rows), u(a_cols), a_rows);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatrixLayoutInit(&call.b, type, u(b_rows), u(b_cols), b_rows);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatrixLayoutInit(&call.d, type, u(spec_.m), u(n), spec_.m);
+  return st;
 }
 
 // cuBLASLt must accept the algorithm at both ends of the bucket, within the workspace.
 template <typename T>
-bool GemmPlan<T>::valid_for_bucket(const cublasLtMatmulAlgo_t& algo, int vec, std::size_t i) {
+bool GemmPlan<T>::valid_for_bucket(const cublasLtMatmulAlgo_t& algo, int vec, std::size_t i) const {
   const std::int64_t hi = buckets_[i];
   const std::int64_t lo = i == 0 ? 1 : buckets_[i - 1] + 1;
   for (std::int64_t n : {lo, hi}) {
-    set_tokens(n);
+    Call call;
+    QBL_CUBLAS_TRY(describe_call(call, vec, n, nullptr));
     cublasLtMatmulHeuristicResult_t check = {};
-    if (cublasLtMatmulAlgoCheck(handle_.get(), desc_[vec].get(), a_layout_.get(), b_layout_.get(),
-                                d_layout_.get(), d_layout_.get(), &algo,
-                                &check) != CUBLAS_STATUS_SUCCESS ||
+    if (cublasLtMatmulAlgoCheck(handle_.get(), &call.desc, &call.a, &call.b, &call.d, &call.d,
+                                &algo, &check) != CUBLAS_STATUS_SUCCESS ||
         check.workspaceSize > workspace_bytes_) {
       return false;
     }
@@ -279,33 +303,30 @@ bool GemmPlan<T>::valid_for_bucket(const cublasLtMatmulAlgo_t& algo, int vec, st
 // One product on the scratch operands, every pointer aligned to exactly class_bytes[cls].
 template <typename T>
 cublasStatus_t GemmPlan<T>::launch(const cublasLtMatmulAlgo_t& algo, int vec, std::int64_t tokens,
-                                   int cls, Scratch& s) {
-  set_tokens(tokens);
+                                   int cls, Scratch& s) const {
   const std::size_t off = cls == 0 ? 0 : class_bytes[cls];
   auto at = [off](const detail::device_buffer& b) { return static_cast<char*>(b.get()) + off; };
-  if (vec) {
-    const void* v = at(s.vector);
-    const cublasStatus_t st = cublasLtMatmulDescSetAttribute(
-        desc_[1].get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, &v, sizeof v);
-    if (st != CUBLAS_STATUS_SUCCESS) return st;
-  }
+  Call call;
+  const cublasStatus_t st = describe_call(call, vec, tokens, vec ? at(s.vector) : nullptr);
+  if (st != CUBLAS_STATUS_SUCCESS) return st;
   const float one = 1.0f, zero = 0.0f;
-  return cublasLtMatmul(handle_.get(), desc_[vec].get(), &one, at(s.a), a_layout_.get(), at(s.b),
-                        b_layout_.get(), &zero, at(s.d), d_layout_.get(), at(s.d), d_layout_.get(),
-                        &algo, s.workspace.get(), workspace_bytes_, s.stream.get());
+  return cublasLtMatmul(handle_.get(), &call.desc, &one, at(s.a), &call.a, at(s.b), &call.b, &zero,
+                        at(s.d), &call.d, at(s.d), &call.d, &algo, s.workspace.get(),
+                        workspace_bytes_, s.stream.get());
 }
 
 // Runs the largest product for a while so that candidates are timed at working clocks, not while
 // the GPU ramps up from idle (which would make whichever candidate runs first look slow).
 template <typename T>
-void GemmPlan<T>::warm_up(Scratch& s) {
-  const int vec = desc_[1] ? 1 : 0;
+void GemmPlan<T>::warm_up(Scratch& s) const {
+  const int vec = vector_planned_ ? 1 : 0;
   cublasLtMatmulHeuristicResult_t result = {};
   int found = 0;
-  set_tokens(max_tokens_);
-  QBL_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(handle_.get(), desc_[vec].get(), a_layout_.get(),
-                                                b_layout_.get(), d_layout_.get(), d_layout_.get(),
-                                                pref_[0].get(), 1, &result, &found));
+  Call call;
+  QBL_CUBLAS_TRY(describe_call(call, vec, max_tokens_, nullptr));
+  QBL_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(handle_.get(), &call.desc, &call.a, &call.b,
+                                                &call.d, &call.d, s.pref[0].get(), 1, &result,
+                                                &found));
   if (found == 0) return;
   float total = 0.0f;
   for (int i = 0; i < 200 && total < 25.0f; ++i) {
@@ -318,7 +339,7 @@ void GemmPlan<T>::warm_up(Scratch& s) {
 // Median of `reps` event-timed runs after one warm-up; +inf if the algorithm fails to run.
 template <typename T>
 float GemmPlan<T>::time_algo(const cublasLtMatmulAlgo_t& algo, int vec, std::int64_t tokens,
-                             Scratch& s, int reps) {
+                             Scratch& s, int reps) const {
   constexpr int max_reps = 16;
   reps = std::clamp(reps, 1, max_reps);
   if (launch(algo, vec, tokens, 0, s) != CUBLAS_STATUS_SUCCESS)
@@ -347,7 +368,7 @@ void GemmPlan<T>::plan_bucket(std::size_t i, Scratch& scratch) {
   const std::int64_t hi = buckets_[i];
   const std::int64_t lo = i == 0 ? 1 : buckets_[i - 1] + 1;
   for (int vec = 0; vec < 2; ++vec) {
-    if (!desc_[vec]) continue;
+    if (vec && !vector_planned_) continue;
     for (int cls = 0; cls < align_classes; ++cls) {
       if (class_bytes[cls] < sizeof(T)) continue;
       const bool tune = autotune_candidates_ > 0 && cls == 0;
@@ -355,17 +376,14 @@ void GemmPlan<T>::plan_bucket(std::size_t i, Scratch& scratch) {
       const int wanted = tune ? autotune_candidates_ : 4;
       cublasLtMatmulHeuristicResult_t results[max_candidates] = {};
       int found = 0;
-      set_tokens(hi);
       // No vector pointer while asking: the heuristic reads the one on the descriptor, and a
       // trial launch's (aligned to a small class on purpose) made it offer an algorithm 8x slower
       // for every 256-byte-aligned call after it (bf16, 4096 x 4096 x 16384, on an H200).
-      if (vec) {
-        const void* none = nullptr;
-        detail::set_desc(desc_[1].get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, none);
-      }
-      QBL_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(
-          handle_.get(), desc_[vec].get(), a_layout_.get(), b_layout_.get(), d_layout_.get(),
-          d_layout_.get(), pref_[cls].get(), wanted, results, &found));
+      Call call;
+      QBL_CUBLAS_TRY(describe_call(call, vec, hi, nullptr));
+      QBL_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(handle_.get(), &call.desc, &call.a, &call.b,
+                                                    &call.d, &call.d, scratch.pref[cls].get(),
+                                                    wanted, results, &found));
       std::vector<int> valid;
       for (int r = 0; r < found; ++r) {
         if (results[r].state != CUBLAS_STATUS_SUCCESS || !valid_for_bucket(results[r].algo, vec, i))
@@ -375,7 +393,7 @@ void GemmPlan<T>::plan_bucket(std::size_t i, Scratch& scratch) {
         valid.push_back(r);
         if (!tune) break;
       }
-      if (valid.empty()) continue;  // supports() is false here; run() answers NOT_SUPPORTED
+      if (valid.empty()) continue;  // the fallback kernel serves this case
       int best = valid.front();
       if (tune) {
         GemmTuning rec;
@@ -405,7 +423,7 @@ template <typename T>
 std::string GemmPlan<T>::describe(std::int64_t tokens, bool vector) const {
   if (tokens < 1 || tokens > max_tokens_ || plans_.empty()) return "none";
   const Plan& plan = plans_[bucket_of(tokens)];
-  if (!plan.found[vector ? 1 : 0][0]) return "none";
+  if ((vector && !vector_planned_) || !plan.found[vector ? 1 : 0][0]) return "none";
   const cublasLtMatmulAlgo_t& algo = plan.algo[vector ? 1 : 0][0];
   auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr) -> long long {
     // The size passed must be the attribute's own: ask for it first.
@@ -429,35 +447,59 @@ std::string GemmPlan<T>::describe(std::int64_t tokens, bool vector) const {
          std::to_string(get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
 }
 
+// Where cuBLASLt has no algorithm: the fallback kernel, its strides derived from the spec; with
+// BGRADB, the vector is the column sum of op(B) (B transposed: row-major [k, n]) over k.
 template <typename T>
-cublasStatus_t GemmPlan<T>::run(const T* a, const T* b, T* d, const void* vector,
-                                std::int64_t tokens, float beta, void* workspace,
-                                cudaStream_t stream) {
-  if (tokens < 0 || tokens > max_tokens_ || !handle_) return CUBLAS_STATUS_INVALID_VALUE;
-  if (tokens == 0) return CUBLAS_STATUS_SUCCESS;
-  if (a == nullptr || b == nullptr || d == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  const int vec = vector != nullptr ? 1 : 0;
-  if (vec && spec_.vector_epilogue == CUBLASLT_EPILOGUE_DEFAULT) return CUBLAS_STATUS_INVALID_VALUE;
-  if (vec && !desc_[1]) return CUBLAS_STATUS_NOT_SUPPORTED;  // not planned (BGRADB with m == 1)
-  const std::size_t bucket = bucket_of(tokens);
-  const int cls = alignment_class(a, b, vector, d);
-  if (!plans_[bucket].found[vec][cls]) return CUBLAS_STATUS_NOT_SUPPORTED;
-  const auto n = static_cast<std::uint64_t>(tokens);
-  cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
-  for (auto [on, layout] :
-       {std::pair{a_tokens_, a_layout_.get()}, std::pair{b_tokens_, b_layout_.get()},
-        std::pair{d_tokens_, d_layout_.get()}}) {
-    if (on && s == CUBLAS_STATUS_SUCCESS)
-      s = cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_COLS, &n, sizeof n);
+void GemmPlan<T>::run_fallback(const T* a, const T* b, T* d, const void* vector,
+                               std::int64_t tokens, float beta, cudaStream_t stream) const {
+  const bool tokens_n = spec_.tokens == GemmSpec::Tokens::n;
+  const std::int64_t n = tokens_n ? tokens : spec_.n, k = tokens_n ? spec_.k : tokens;
+  const bool bias = vector != nullptr && spec_.vector_epilogue == CUBLASLT_EPILOGUE_BIAS;
+  QBL_CUDA_TRY(detail::gemm_fallback(b, a, bias ? static_cast<const T*>(vector) : nullptr, d,
+                                     detail::fallback_strides(spec_, spec_.m, n, k), beta != 0.0f,
+                                     stream));
+  if (vector != nullptr && spec_.vector_epilogue == CUBLASLT_EPILOGUE_BGRADB) {
+    // BGRADB's vector is an output (cuBLASLt takes it through the same const pointer).
+    QBL_CUDA_TRY(detail::bias_grad_launch(b, static_cast<T*>(const_cast<void*>(vector)), k, n,
+                                          false, nullptr, 1, stream));
   }
-  if (s == CUBLAS_STATUS_SUCCESS && vec)
-    s = cublasLtMatmulDescSetAttribute(desc_[1].get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vector,
-                                       sizeof vector);
-  if (s != CUBLAS_STATUS_SUCCESS) return s;
+}
+
+template <typename T>
+void GemmPlan<T>::run(const T* a, const T* b, T* d, const void* vector, std::int64_t tokens,
+                      float beta, void* workspace, cudaStream_t stream) const {
+  QBL_EXPECTS(handle_ != nullptr, qbl::logic_error, "run() on a moved-from GemmPlan");
+  QBL_EXPECTS(tokens >= 0 && tokens <= max_tokens_, qbl::invalid_argument,
+              "tokens must be in [0, max_tokens]");
+  if (tokens == 0) return;
+  QBL_EXPECTS(a != nullptr && b != nullptr && d != nullptr, qbl::invalid_argument,
+              "the operands must not be null");
+  QBL_EXPECTS(vector == nullptr || spec_.vector_epilogue != CUBLASLT_EPILOGUE_DEFAULT,
+              qbl::invalid_argument, "a vector for a product without a vector epilogue");
+  QBL_EXPECTS(beta == 0.0f || beta == 1.0f, qbl::invalid_argument, "beta must be 0 or 1");
+  QBL_EXPECTS(workspace != nullptr || workspace_bytes_ == 0, qbl::invalid_argument,
+              "the workspace must not be null");
+  if (!uses_cublaslt(a, b, d, vector, tokens)) {
+    if (vector != nullptr && spec_.vector_epilogue == CUBLASLT_EPILOGUE_BGRADB &&
+        uses_cublaslt(a, b, d, nullptr, tokens)) {
+      // The product has an algorithm, its epilogue none (in_features == 1): the product on
+      // cuBLASLt, the bias gradient from the column sum.
+      run(a, b, d, nullptr, tokens, beta, workspace, stream);
+      QBL_CUDA_TRY(detail::bias_grad_launch(b, static_cast<T*>(const_cast<void*>(vector)), tokens,
+                                            spec_.n, false, nullptr, 1, stream));
+      return;
+    }
+    run_fallback(a, b, d, vector, tokens, beta, stream);
+    return;
+  }
+  const int vec = vector != nullptr ? 1 : 0;
+  Call call;
+  QBL_CUBLAS_TRY(describe_call(call, vec, tokens, vector));
   const float one = 1.0f;
-  return cublasLtMatmul(handle_.get(), desc_[vec].get(), &one, a, a_layout_.get(), b,
-                        b_layout_.get(), &beta, d, d_layout_.get(), d, d_layout_.get(),
-                        &plans_[bucket].algo[vec][cls], workspace, workspace_bytes_, stream);
+  QBL_CUBLAS_TRY(cublasLtMatmul(
+      handle_.get(), &call.desc, &one, a, &call.a, b, &call.b, &beta, d, &call.d, d, &call.d,
+      &plans_[bucket_of(tokens)].algo[vec][alignment_class(a, b, vector, d)], workspace,
+      workspace_bytes_, stream));
 }
 
 }  // namespace qbl

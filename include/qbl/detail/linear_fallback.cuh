@@ -8,8 +8,8 @@
 //   wgrad    g_w[o, i] += sum_t g[t, o] mixed[t, i]             (a_ks = out, b_cs = 1, b_ks = in)
 // A plain shared-memory-tiled CUDA-core kernel, fp32 accumulation in a fixed order
 // (deterministic), the bias and the old value added to the fp32 sum before the one rounding to T,
-// as cuBLASLt's epilogue and beta do. Correct everywhere; fast nowhere: the layer uses it only
-// where cuBLASLt has no algorithm.
+// as cuBLASLt's epilogue and beta do. Correct everywhere; fast nowhere: qbl::GemmPlan runs it only
+// where cuBLASLt has no algorithm, with the strides derived from its spec.
 #pragma once
 
 #include <qbl/detail/config.cuh>
@@ -87,15 +87,6 @@ cudaError_t gemm_fallback(const T* a, const T* b, const T* bias, T* d, const Fal
   gemm_fallback_kernel<T><<<dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)),
                             fallback_threads, 0, stream>>>(a, b, bias, d, g, accumulate);
   return cudaGetLastError();
-}
-
-/// out[tokens, outs] = a[tokens, in] · w[outs, in]ᵀ (+ bias[outs]): the forward's fallback.
-template <typename T>
-cudaError_t linear_fallback(const T* a, const T* w, const T* bias, T* out, std::int64_t tokens,
-                            std::int64_t in, std::int64_t outs, cudaStream_t stream) {
-  if (tokens < 0 || in <= 0 || outs <= 0) return cudaErrorInvalidValue;
-  return gemm_fallback(a, w, bias, out, FallbackGemm{tokens, outs, in, in, 1, in, 1}, false,
-                       stream);
 }
 
 }  // namespace qbl::detail

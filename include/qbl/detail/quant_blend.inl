@@ -7,8 +7,12 @@
 #include <qbl/element_math.cuh>
 #include <qbl/quant_blend.cuh>
 
+#include <cub/block/block_reduce.cuh>
+#include <cuda/functional>
+
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace qbl::detail {
 
@@ -89,8 +93,8 @@ __device__ __forceinline__ void fill_gates(const T* __restrict__ logits, TileRow
 
 /// mixed for this thread's vectors of the tile at `base` (thread, then every THREADS-th), from
 /// their x values `in` and the tile's gates.
-template <typename Math, int THREADS, int U, typename V, typename Table>
-__device__ __forceinline__ void blend_tile(const Math& math, const V (&in)[U], V* __restrict__ mv,
+template <typename Math, int THREADS, int U, typename V, typename W, typename Table>
+__device__ __forceinline__ void blend_tile(const Math& math, const V (&in)[U], W* __restrict__ mv,
                                            std::int64_t base, std::int64_t total,
                                            TileRows::Span span, const Table& table,
                                            const TileRows& rows_of) {
@@ -109,14 +113,15 @@ __device__ __forceinline__ void blend_tile(const Math& math, const V (&in)[U], V
 /// consecutive vectors, tile i going to block i mod blocks: every thread has U vectors of work
 /// whatever the row length, and consecutive threads touch consecutive vectors. Per tile, the
 /// block works out each row's gate once into shared memory; the loads of x are issued before
-/// that, and before `get_scale()` is first asked for the scale, so a kernel launched as a
-/// programmatic dependent of the amax kernel has its reads in flight while that kernel drains.
-template <typename T, int N, int THREADS, int U, typename GetScale>
+/// that, and before `get_scale()` is first asked for the scale (by every thread of the block at
+/// once), so a kernel launched as a programmatic dependent of the amax kernel has its reads in
+/// flight while that kernel drains.
+template <typename X, typename G, typename L, int N, int THREADS, int U, typename GetScale>
 __device__ __forceinline__ void quant_blend_tiles(
-    const T* __restrict__ x, const T* __restrict__ logits, GetScale get_scale,
-    T* __restrict__ mixed, std::int64_t tokens, std::int64_t features, FastDiv cols_div,
-    GateTable<QuantBlendMath<T, N>, THREADS, U>& table, unsigned block, unsigned blocks) {
-  using Math = QuantBlendMath<T, N>;
+    const X* __restrict__ x, const L* __restrict__ logits, GetScale get_scale,
+    G* __restrict__ mixed, std::int64_t tokens, std::int64_t features, FastDiv cols_div,
+    GateTable<QuantBlendMath<X, G, L, N>, THREADS, U>& table, unsigned block, unsigned blocks) {
+  using Math = QuantBlendMath<X, G, L, N>;
   constexpr std::int64_t tile = std::int64_t{THREADS} * U;
   const std::int64_t cols = features / N;
   const std::int64_t total = tokens * cols;
@@ -126,12 +131,12 @@ __device__ __forceinline__ void quant_blend_tiles(
   std::int64_t row = base / cols, offset = base - row * cols;  // the tile's first vector
   const std::int64_t step = static_cast<std::int64_t>(blocks) * tile;
   const std::int64_t step_rows = step / cols, step_offset = step - step_rows * cols;
-  const auto* xv = reinterpret_cast<const Vec<T, N>*>(x);
-  auto* mv = reinterpret_cast<Vec<T, N>*>(mixed);
+  const auto* xv = reinterpret_cast<const Vec<X, N>*>(x);
+  auto* mv = reinterpret_cast<Vec<G, N>*>(mixed);
   Math math;
   bool have_scale = false;
   for (; base < total; base += step) {
-    Vec<T, N> in[U];
+    Vec<X, N> in[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const std::int64_t g = base + threadIdx.x + u * THREADS;
@@ -163,45 +168,90 @@ __device__ __forceinline__ void wait_for_primary() {
 #endif
 }
 
-template <typename T, int BLOCK_THREADS, int N>
-QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
-    quant_blend_kernel(const T* __restrict__ x, const T* __restrict__ logits,
-                       const float* __restrict__ amax, T* __restrict__ mixed, std::int64_t tokens,
-                       std::int64_t features, FastDiv cols_div, float* __restrict__ scale_out) {
-  __shared__ GateTable<QuantBlendMath<T, N>, BLOCK_THREADS, vectors_in_flight> table;
-  auto get_scale = [&] {
-    wait_for_primary();
-    return scale_from_amax<T>(*amax);
+/// Where the quant-blend kernel takes its amax from: one already in memory (qbl::quant_blend,
+/// the sharded forward's second step) -- it writes the scale to *scale_out when that is not null.
+struct GivenAmax {
+  const float* amax;
+  float* scale_out;
+};
+
+/// ... or the amax kernel's per-block maxima (the layer's prologue), combined by every block
+/// after its grid-dependency wait; block 0 writes the amax and the scale.
+struct PartialAmax {
+  const std::uint32_t* partials;
+  int count;
+  float* amax_out;
+  float* scale_out;
+};
+
+/// The scale for one block from its amax source, called by every thread of the block at once.
+template <typename X, int THREADS>
+struct ScaleFrom {
+  using Reduce = cub::BlockReduce<std::uint32_t, THREADS>;
+  struct Shared {
+    typename Reduce::TempStorage temp;
+    std::uint32_t amax_bits;
   };
-  if (scale_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = get_scale();
-  quant_blend_tiles<T, N, BLOCK_THREADS, vectors_in_flight>(
+  static __device__ __forceinline__ float get(const GivenAmax& src, Shared&) {
+    const float s = scale_from_amax<X>(*src.amax);
+    if (src.scale_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *src.scale_out = s;
+    return s;
+  }
+  static __device__ __forceinline__ float get(const PartialAmax& src, Shared& shared) {
+    wait_for_primary();
+    std::uint32_t m = 0;
+    for (int i = static_cast<int>(threadIdx.x); i < src.count; i += THREADS)
+      m = max(m, src.partials[i]);
+    m = Reduce(shared.temp).Reduce(m, ::cuda::maximum<>{});
+    if (threadIdx.x == 0) shared.amax_bits = m;
+    __syncthreads();
+    const float a = from_abs_bits(shared.amax_bits);
+    const float s = scale_from_amax<X>(a);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      *src.amax_out = a;
+      *src.scale_out = s;
+    }
+    return s;
+  }
+};
+
+template <typename X, typename G, typename L, int BLOCK_THREADS, int N, typename Source>
+QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
+    quant_blend_kernel(const X* __restrict__ x, const L* __restrict__ logits, Source source,
+                       G* __restrict__ mixed, std::int64_t tokens, std::int64_t features,
+                       FastDiv cols_div) {
+  using Scale = ScaleFrom<X, BLOCK_THREADS>;
+  __shared__ GateTable<QuantBlendMath<X, G, L, N>, BLOCK_THREADS, vectors_in_flight> table;
+  __shared__ typename Scale::Shared scale_shared;
+  auto get_scale = [&] { return Scale::get(source, scale_shared); };
+  quant_blend_tiles<X, G, L, N, BLOCK_THREADS, vectors_in_flight>(
       x, logits, get_scale, mixed, tokens, features, cols_div, table, blockIdx.x, gridDim.x);
 }
 
 /// Both stages in one block: the amax never leaves shared memory before the blend reads it.
-template <typename T, int BLOCK_THREADS, int N>
+template <typename X, typename G, typename L, int BLOCK_THREADS, int N>
 QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
-    amax_quant_blend_single_block_kernel(const T* __restrict__ x, const T* __restrict__ logits,
-                                         T* __restrict__ mixed, std::int64_t tokens,
+    amax_quant_blend_single_block_kernel(const X* __restrict__ x, const L* __restrict__ logits,
+                                         G* __restrict__ mixed, std::int64_t tokens,
                                          std::int64_t features, std::int64_t head, FastDiv cols_div,
                                          float* __restrict__ amax_out,
                                          float* __restrict__ scale_out) {
-  using BlockAmax = BlockAbsMax<T, BLOCK_THREADS>;
+  using BlockAmax = BlockAbsMax<X, BLOCK_THREADS>;
   __shared__ typename BlockAmax::TempStorage temp;
   __shared__ float shared_scale;
-  __shared__ GateTable<QuantBlendMath<T, N>, BLOCK_THREADS, single_block_vectors> table;
+  __shared__ GateTable<QuantBlendMath<X, G, L, N>, BLOCK_THREADS, single_block_vectors> table;
   const std::uint32_t m = BlockAmax(temp).reduce_bits(
-      thread_abs_max_bits<T, N>(x, tokens * features, head, threadIdx.x, BLOCK_THREADS));
+      thread_abs_max_bits<X, N>(x, tokens * features, head, threadIdx.x, BLOCK_THREADS));
   if (threadIdx.x == 0) {
     const float a = from_abs_bits(m);
-    const float s = scale_from_amax<T>(a);
+    const float s = scale_from_amax<X>(a);
     shared_scale = s;
     *amax_out = a;
     if (scale_out != nullptr) *scale_out = s;
   }
   __syncthreads();
   const float scale = shared_scale;
-  quant_blend_tiles<T, N, BLOCK_THREADS, single_block_vectors>(
+  quant_blend_tiles<X, G, L, N, BLOCK_THREADS, single_block_vectors>(
       x, logits, [scale] { return scale; }, mixed, tokens, features, cols_div, table, 0, 1);
 }
 
@@ -211,51 +261,52 @@ inline FastDiv cols_divider(std::int64_t cols, std::int64_t tile) {
   return cols < tile ? FastDiv(static_cast<std::uint32_t>(cols)) : FastDiv();
 }
 
-/// 16-byte vectors when both row-major buffers allow them, else one element at a time.
-template <typename T>
-bool rows_vectorizable(const T* x, const T* mixed, std::int64_t features) {
-  return is_aligned(x, 16) && is_aligned(mixed, 16) && features % vec16<T> == 0;
+/// 16-byte vectors of x when both row-major buffers allow them (mixed then takes N elements of
+/// G per vector), else one element at a time.
+template <typename X, typename G>
+bool rows_vectorizable(const X* x, const G* mixed, std::int64_t features) {
+  return is_aligned(x, 16) && is_aligned(mixed, vec16<X> * sizeof(G)) && features % vec16<X> == 0;
 }
 
-template <typename T>
-cudaError_t check_quant_blend_args(const T* x, const T* logits, const void* mixed,
-                                   std::int64_t tokens, std::int64_t features) {
+template <typename X, typename L, typename G>
+cudaError_t check_quant_blend_args(const X* x, const L* logits, const G* mixed, std::int64_t tokens,
+                                   std::int64_t features) {
   if (tokens < 0 || features <= 0) return cudaErrorInvalidValue;
   if (tokens > 0 && (x == nullptr || logits == nullptr || mixed == nullptr))
     return cudaErrorInvalidValue;
   return cudaSuccess;
 }
 
-/// What the launchers need to know of the device, asked once: QuantBlendLinear at construction,
-/// the free functions per call (they must work on whatever device is current).
+/// What the launchers need to know of the device, asked once: the plans at construction, the
+/// free functions per call (they must work on whatever device is current).
 struct LaunchLimits {
   int sms = 0;  ///< multiprocessors
   int resident[2] =
       {};  ///< resident quant_blend_kernel blocks per multiprocessor: [scalar, vector]
 };
 
-template <typename T, int N>
+template <typename X, typename G, typename L, int N>
 cudaError_t resident_quant_blend_blocks(int* n) {
   *n = 0;
   QBL_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      n, quant_blend_kernel<T, quant_blend_block_threads, N>, quant_blend_block_threads, 0));
+      n, quant_blend_kernel<X, G, L, quant_blend_block_threads, N, PartialAmax>,
+      quant_blend_block_threads, 0));
   if (*n < 1) *n = 1;
   return cudaSuccess;
 }
 
-/// The current device's limits for element type T (no synchronization, no allocation).
-template <typename T>
+/// The current device's limits for these element types (no synchronization, no allocation).
+template <typename X, typename G, typename L>
 cudaError_t launch_limits(LaunchLimits* limits) {
   QBL_CUDA_RETURN_IF_ERROR(sm_count(&limits->sms));
-  QBL_CUDA_RETURN_IF_ERROR((resident_quant_blend_blocks<T, 1>(&limits->resident[0])));
-  return resident_quant_blend_blocks<T, vec16<T>>(&limits->resident[1]);
+  QBL_CUDA_RETURN_IF_ERROR((resident_quant_blend_blocks<X, G, L, 1>(&limits->resident[0])));
+  return resident_quant_blend_blocks<X, G, L, vec16<X>>(&limits->resident[1]);
 }
 
-template <typename T, int N>
-cudaError_t launch_quant_blend(const T* x, const T* logits, const float* amax, T* mixed,
-                               std::int64_t tokens, std::int64_t features, float* scale,
-                               const LaunchLimits& limits, cudaStream_t stream,
-                               bool after_amax_kernel) {
+template <typename X, typename G, typename L, int N, typename Source>
+cudaError_t launch_quant_blend(const X* x, const L* logits, const Source& source, G* mixed,
+                               std::int64_t tokens, std::int64_t features,
+                               const LaunchLimits& limits, cudaStream_t stream) {
   constexpr int threads = quant_blend_block_threads;
   constexpr std::int64_t tile = std::int64_t{threads} * vectors_in_flight;
   const std::int64_t cols = features / N;
@@ -263,11 +314,13 @@ cudaError_t launch_quant_blend(const T* x, const T* logits, const float* amax, T
   const int resident = limits.resident[N == 1 ? 0 : 1];
   const std::int64_t blocks =
       std::min<std::int64_t>(ceil_div(tokens * cols, tile), std::int64_t{limits.sms} * resident);
-  // Right after qbl's own amax kernel, launched as its programmatic dependent: it may start, and
-  // issue its loads of x and logits, while that kernel drains (the amax kernel only reads x and
-  // logits; amax itself is read after cudaGridDependencySynchronize()). After any other kernel
-  // -- the caller's, which may have written x or logits -- a plain launch: loads issued before
-  // the dependency synchronization are only ordered after a kernel that wrote nothing they read.
+  // From the amax kernel's partial maxima: launched as that kernel's programmatic dependent, it
+  // may start, and issue its loads of x and logits, while that kernel drains (the amax kernel
+  // only reads x; the partials are read after cudaGridDependencySynchronize()). From a given
+  // amax -- after any kernel of the caller's, which may have written x or logits -- a plain
+  // launch: loads issued before the dependency wait are only ordered after a kernel that wrote
+  // nothing they read.
+  constexpr bool dependent = std::is_same_v<Source, PartialAmax>;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
   config.blockDim = dim3(threads);
@@ -276,91 +329,120 @@ cudaError_t launch_quant_blend(const T* x, const T* logits, const float* amax, T
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = after_amax_kernel ? 1 : 0;
-  QBL_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, quant_blend_kernel<T, threads, N>, x, logits,
-                                              amax, mixed, tokens, features,
-                                              cols_divider(cols, tile), scale));
+  config.numAttrs = dependent ? 1 : 0;
+  QBL_CUDA_RETURN_IF_ERROR(
+      cudaLaunchKernelEx(&config, quant_blend_kernel<X, G, L, threads, N, Source>, x, logits,
+                         source, mixed, tokens, features, cols_divider(cols, tile)));
   return cudaGetLastError();
 }
 
-template <typename T, int N>
-cudaError_t launch_single_block(const T* x, const T* logits, T* mixed, std::int64_t tokens,
+template <typename X, typename G, typename L, int N>
+cudaError_t launch_single_block(const X* x, const L* logits, G* mixed, std::int64_t tokens,
                                 std::int64_t features, float* amax, float* scale,
                                 cudaStream_t stream) {
   constexpr int threads = single_block_threads;
   const std::int64_t head = N == 1 ? 0 : aligned_head(x, tokens * features);
-  amax_quant_blend_single_block_kernel<T, threads, N><<<1, threads, 0, stream>>>(
+  amax_quant_blend_single_block_kernel<X, G, L, threads, N><<<1, threads, 0, stream>>>(
       x, logits, mixed, tokens, features, head,
       cols_divider(features / N, std::int64_t{threads} * single_block_vectors), amax, scale);
   return cudaGetLastError();
 }
 
-template <typename T>
-cudaError_t quant_blend_with(const T* d_x, const T* d_logits, const float* d_amax, T* d_mixed,
+template <typename X, typename G, typename L, typename Source>
+cudaError_t quant_blend_from(const X* d_x, const L* d_logits, const Source& source, G* d_mixed,
+                             std::int64_t tokens, std::int64_t features, const LaunchLimits& limits,
+                             cudaStream_t stream) {
+  if (rows_vectorizable(d_x, d_mixed, features)) {
+    return launch_quant_blend<X, G, L, vec16<X>>(d_x, d_logits, source, d_mixed, tokens, features,
+                                                 limits, stream);
+  }
+  return launch_quant_blend<X, G, L, 1>(d_x, d_logits, source, d_mixed, tokens, features, limits,
+                                        stream);
+}
+
+/// mixed from the amax in *d_amax (the free function qbl::quant_blend, the sharded forward's
+/// second step); *d_scale gets the scale when not null.
+template <typename X, typename L, typename G>
+cudaError_t quant_blend_with(const X* d_x, const L* d_logits, const float* d_amax, G* d_mixed,
                              std::int64_t tokens, std::int64_t features, float* d_scale,
-                             const LaunchLimits& limits, cudaStream_t stream,
-                             bool after_amax_kernel = false) {
+                             const LaunchLimits& limits, cudaStream_t stream) {
   QBL_CUDA_RETURN_IF_ERROR(check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
   if (d_amax == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
-  if (rows_vectorizable(d_x, d_mixed, features)) {
-    return launch_quant_blend<T, vec16<T>>(d_x, d_logits, d_amax, d_mixed, tokens, features,
-                                           d_scale, limits, stream, after_amax_kernel);
-  }
-  return launch_quant_blend<T, 1>(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, limits,
-                                  stream, after_amax_kernel);
+  return quant_blend_from(d_x, d_logits, GivenAmax{d_amax, d_scale}, d_mixed, tokens, features,
+                          limits, stream);
 }
 
-/// qbl::amax_quant_blend with the device's limits given (QuantBlendLinear asks for them once).
-template <typename T>
-cudaError_t amax_quant_blend_with(const T* d_x, const T* d_logits, T* d_mixed, std::int64_t tokens,
+/// Both stages (qbl::amax_quant_blend, the layer's prologue): one single-block launch for small
+/// inputs, else the partial-maxima amax kernel and the quant-blend kernel as its programmatic
+/// dependent, the partials in d_workspace (amax_quant_blend_workspace_bytes). No memset, no
+/// atomics: nothing in the workspace needs initializing, and nothing is left to reset.
+template <typename X, typename L, typename G>
+cudaError_t amax_quant_blend_with(const X* d_x, const L* d_logits, G* d_mixed, std::int64_t tokens,
                                   std::int64_t features, float* d_amax, float* d_scale,
-                                  const LaunchLimits& limits, cudaStream_t stream) {
+                                  void* d_workspace, const LaunchLimits& limits,
+                                  cudaStream_t stream) {
   QBL_CUDA_RETURN_IF_ERROR(check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
-  if (d_amax == nullptr) return cudaErrorInvalidValue;
+  if (d_amax == nullptr || d_scale == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
   const bool vec = rows_vectorizable(d_x, d_mixed, features);
   if (tokens * features <= amax_quant_blend_single_block_elements) {
-    return vec ? launch_single_block<T, vec16<T>>(d_x, d_logits, d_mixed, tokens, features, d_amax,
-                                                  d_scale, stream)
-               : launch_single_block<T, 1>(d_x, d_logits, d_mixed, tokens, features, d_amax,
-                                           d_scale, stream);
+    return vec ? launch_single_block<X, G, L, vec16<X>>(d_x, d_logits, d_mixed, tokens, features,
+                                                        d_amax, d_scale, stream)
+               : launch_single_block<X, G, L, 1>(d_x, d_logits, d_mixed, tokens, features, d_amax,
+                                                 d_scale, stream);
   }
-  QBL_CUDA_RETURN_IF_ERROR(amax_launch(d_x, tokens * features, d_amax, limits.sms, stream));
-  return quant_blend_with(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, limits, stream,
-                          true);
+  if (d_workspace == nullptr || !is_aligned(d_workspace, alignof(std::uint32_t)))
+    return cudaErrorInvalidValue;
+  auto* partials = static_cast<std::uint32_t*>(d_workspace);
+  int count = 0;
+  QBL_CUDA_RETURN_IF_ERROR(
+      amax_partials_launch(d_x, tokens * features, partials, limits.sms, &count, stream));
+  return quant_blend_from(d_x, d_logits, PartialAmax{partials, count, d_amax, d_scale}, d_mixed,
+                          tokens, features, limits, stream);
 }
 
 }  // namespace qbl::detail
 
 namespace qbl {
 
-template <typename T>
-cudaError_t quant_blend(const T* d_x, const T* d_logits, const float* d_amax, T* d_mixed,
+template <typename X, typename G, typename L>
+cudaError_t quant_blend(const X* d_x, const detail::type_identity_t<L>* d_logits,
+                        const float* d_amax, detail::type_identity_t<G>* d_mixed,
                         std::int64_t tokens, std::int64_t features, float* d_scale,
                         cudaStream_t stream) {
+  static_assert(detail::supported_types<X, G, L>,
+                "quant_blend: x, logits and mixed of one type, or fp32 x with bf16/fp16 mixed "
+                "(logits fp32 or of mixed's type)");
   QBL_CUDA_RETURN_IF_ERROR(
       detail::check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
   if (d_amax == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
   detail::LaunchLimits limits;
-  QBL_CUDA_RETURN_IF_ERROR(detail::launch_limits<T>(&limits));
+  QBL_CUDA_RETURN_IF_ERROR((detail::launch_limits<X, G, L>(&limits)));
   return detail::quant_blend_with(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, limits,
                                   stream);
 }
 
-template <typename T>
-cudaError_t amax_quant_blend(const T* d_x, const T* d_logits, T* d_mixed, std::int64_t tokens,
+template <typename X, typename G, typename L>
+cudaError_t amax_quant_blend(const X* d_x, const detail::type_identity_t<L>* d_logits,
+                             detail::type_identity_t<G>* d_mixed, std::int64_t tokens,
                              std::int64_t features, float* d_amax, float* d_scale,
-                             cudaStream_t stream) {
+                             void* d_workspace, cudaStream_t stream) {
+  static_assert(detail::supported_types<X, G, L>,
+                "amax_quant_blend: x, logits and mixed of one type, or fp32 x with bf16/fp16 "
+                "mixed (logits fp32 or of mixed's type)");
   QBL_CUDA_RETURN_IF_ERROR(
       detail::check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
-  if (d_amax == nullptr) return cudaErrorInvalidValue;
+  if (d_amax == nullptr || d_scale == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
+  if (tokens * features > amax_quant_blend_single_block_elements &&
+      (d_workspace == nullptr || !detail::is_aligned(d_workspace, alignof(std::uint32_t))))
+    return cudaErrorInvalidValue;  // before any CUDA call
   detail::LaunchLimits limits;
-  QBL_CUDA_RETURN_IF_ERROR(detail::launch_limits<T>(&limits));
+  QBL_CUDA_RETURN_IF_ERROR((detail::launch_limits<X, G, L>(&limits)));
   return detail::amax_quant_blend_with(d_x, d_logits, d_mixed, tokens, features, d_amax, d_scale,
-                                       limits, stream);
+                                       d_workspace, limits, stream);
 }
 
 }  // namespace qbl

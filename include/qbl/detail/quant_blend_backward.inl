@@ -6,6 +6,7 @@
 #include <qbl/element_math.cuh>
 #include <qbl/quant_blend_backward.cuh>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -14,13 +15,44 @@ namespace qbl::detail {
 
 inline constexpr int backward_block_threads = 256;
 inline constexpr int backward_rows_per_block = backward_block_threads / 32;  // a warp per row
+/// Vectors of a row each lane loads before it computes on them: independent loads in flight. Two
+/// keep the bf16 kernel under 64 registers, so that a multiprocessor holds 32 of its warps: enough
+/// bytes in flight for long rows, and rows enough for short ones.
+inline constexpr int backward_vectors_in_flight = 2;
 
-/// The backward's vector arithmetic for element type T and width N, given one row's gate and the
-/// launch's scale: `sums` adds a vector's RN_T(g * x_q) and RN_T(g * x) to the two fp32 sums in
-/// element order, `grad_x` is grad_x_from for each element. The general case runs
-/// qbl/element_math.cuh element by element (with the division-free code of
-/// fake_quant_from_reciprocal).
-template <typename T, int N, typename Enable = void>
+/// A compensated fp32 sum (Kahan's): each term's rounding error is carried into the next one, so
+/// the result is within about 2u sum |terms| of the exact sum however many terms there are
+/// (plain recursive summation: (n - 1) u). Once the running sum is infinite the compensation
+/// stays 0, so the sum stays infinite (or NaN) as a plain sum would, instead of turning NaN.
+struct CompensatedSum {
+  float sum = 0.0f;
+  float low = 0.0f;  ///< what `sum` overstates the exact sum by: the value is sum - low
+
+  __device__ __forceinline__ void add(float v) {
+    const float y = sub_rn(v, low);
+    const float t = add_rn(sum, y);
+    low = fabsf(t) < INFINITY ? sub_rn(sub_rn(t, sum), y) : 0.0f;
+    sum = t;
+  }
+  /// Adds another lane's sum: the two sums by an exact two-sum (Knuth), the compensations after.
+  /// Symmetric: a.merge(b) and b.merge(a) give the same bits (the two-sum's error is unique).
+  __device__ __forceinline__ void merge(float other_sum, float other_low) {
+    const float t = add_rn(sum, other_sum);
+    const float b = sub_rn(t, sum);
+    const float e = add_rn(sub_rn(sum, sub_rn(t, b)), sub_rn(other_sum, b));  // t + e exact
+    low = add_rn(add_rn(low, other_low), fabsf(t) < INFINITY ? -e : 0.0f);
+    sum = t;
+  }
+  __device__ __forceinline__ float value() const { return sub_rn(sum, low); }
+};
+
+/// The backward's vector arithmetic for g_mixed of type G, x of type X, logits of type L and
+/// width N, given one row's gate and the launch's scale: `sums` adds a vector's RN_X(g * x_q)
+/// and RN_X(g * x) to the two compensated sums, element by element; `grad_x` is grad_x_from for
+/// each element. The general case runs qbl/element_math.cuh element by element (with the
+/// division-free code of fake_quant_from_reciprocal); the products and sums are in X, the
+/// promoted type of every supported combination.
+template <typename G, typename X, typename L, int N, typename Enable = void>
 struct QuantBlendGradMath {
   float scale, y, alpha, one_minus_alpha, zero_grad;
   QuantGrad mode;
@@ -31,35 +63,37 @@ struct QuantBlendGradMath {
         one_minus_alpha(oma),
         zero_grad(zero_quant_grad(s)),
         mode(m) {}
-  __device__ __forceinline__ void sums(const Vec<T, N>& g, const Vec<T, N>& x, float& sum_q,
-                                       float& sum_x) const {
+  __device__ __forceinline__ void sums(const Vec<G, N>& g, const Vec<X, N>& x, CompensatedSum& q,
+                                       CompensatedSum& s) const {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const float gj = to_float(g.v[j]), xj = to_float(x.v[j]);
-      sum_q = add_rn(sum_q, grad_product<T>(gj, fake_quant_from_reciprocal<T>(xj, scale, y)));
-      sum_x = add_rn(sum_x, grad_product<T>(gj, xj));
+      q.add(grad_product<X>(gj, fake_quant_from_reciprocal<X>(xj, scale, y)));
+      s.add(grad_product<X>(gj, xj));
     }
   }
-  __device__ __forceinline__ Vec<T, N> grad_x(const Vec<T, N>& g) const {
-    Vec<T, N> out;
+  __device__ __forceinline__ Vec<X, N> grad_x(const Vec<G, N>& g) const {
+    Vec<X, N> out;
 #pragma unroll
     for (int j = 0; j < N; ++j)
       out.v[j] =
-          from_float<T>(grad_x_from<T>(to_float(g.v[j]), alpha, one_minus_alpha, zero_grad, mode));
+          from_float<X>(grad_x_from<X>(to_float(g.v[j]), alpha, one_minus_alpha, zero_grad, mode));
     return out;
   }
 };
 
-/// bf16 / fp16 vectors of an even width: the forward's codes (QuantBlendMath::codes), then every
-/// product and sum on packed pairs with one rounding each -- eager's fp32-then-round bits for T
-/// operands (the forward's argument; test_quant_blend_math checks all 2^32 operand pairs of the
-/// packed product and sum) -- and the fp32 sums from the exact widened products, in element order.
+/// bf16 / fp16 vectors of an even width, one type throughout: the forward's codes
+/// (QuantBlendMath::codes), then every product on packed pairs with one rounding each -- eager's
+/// fp32-then-round bits for T operands (the forward's argument; test_quant_blend_math checks all
+/// 2^32 operand pairs of the packed product and sum) -- and the exact widened products added
+/// pairwise within the vector (three levels: the T-rounded products are far coarser than the
+/// fp32 error) before one compensated addition per vector.
 template <typename T, int N>
-struct QuantBlendGradMath<T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && sizeof(T) == 2)>> {
+struct QuantBlendGradMath<T, T, T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && sizeof(T) == 2)>> {
   using P = Pair<T>;
   using T2 = typename P::type;
   static constexpr int pairs = N / 2;
-  QuantBlendMath<T, N> forward;
+  QuantBlendMath<T, T, T, N> forward;
   T2 alpha2, one_minus_alpha2, zero_grad2;
   QuantGrad mode;
   __device__ __forceinline__ QuantBlendGradMath(float s, float a, float oma, QuantGrad m)
@@ -69,19 +103,29 @@ struct QuantBlendGradMath<T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && sizeof(
         mode(m) {
     forward.set_scale(s);
   }
-  __device__ __forceinline__ void sums(const Vec<T, N>& g, const Vec<T, N>& x, float& sum_q,
-                                       float& sum_x) const {
+  static __device__ __forceinline__ float pairwise(float (&v)[pairs]) {
+#pragma unroll
+    for (int width = pairs / 2; width > 0; width /= 2)
+#pragma unroll
+      for (int i = 0; i < width; ++i) v[i] = add_rn(v[i], v[i + width]);
+    return v[0];
+  }
+  __device__ __forceinline__ void sums(const Vec<T, N>& g, const Vec<T, N>& x, CompensatedSum& q,
+                                       CompensatedSum& s) const {
     T2 code[pairs], g2[pairs], x2[pairs];
     forward.codes(x, code);
     std::memcpy(g2, &g, sizeof g2);
     std::memcpy(x2, &x, sizeof x2);
+    float pq[pairs], px[pairs];
 #pragma unroll
     for (int p = 0; p < pairs; ++p) {
-      const float2 q = P::to_float2(P::mul(g2[p], P::mul(code[p], forward.scale2)));
-      const float2 v = P::to_float2(P::mul(g2[p], x2[p]));
-      sum_q = add_rn(add_rn(sum_q, q.x), q.y);
-      sum_x = add_rn(add_rn(sum_x, v.x), v.y);
+      const float2 a = P::to_float2(P::mul(g2[p], P::mul(code[p], forward.scale2)));
+      const float2 b = P::to_float2(P::mul(g2[p], x2[p]));
+      pq[p] = add_rn(a.x, a.y);
+      px[p] = add_rn(b.x, b.y);
     }
+    q.add(pairwise(pq));
+    s.add(pairwise(px));
   }
   __device__ __forceinline__ Vec<T, N> grad_x(const Vec<T, N>& g) const {
     T2 g2[pairs], r[pairs];
@@ -98,90 +142,221 @@ struct QuantBlendGradMath<T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && sizeof(
   }
 };
 
-/// One warp per token row: each lane takes every 32nd vector of the row, computes grad_x for it
-/// and its share of the two sums, and the warp adds the shares in a fixed butterfly order, so the
-/// result is deterministic. grad_x may alias g_mixed (each element is read before the same
-/// thread writes it), so neither carries __restrict__.
-template <typename T, int N>
+/// One warp per token row: each lane takes every 32nd vector of the row, U at a time (all their
+/// loads issued before any use), computes grad_x for them and its share of the two sums, and the
+/// warp combines the shares in a fixed butterfly order (each merge an exact two-sum, so both lanes
+/// of a pair get the same bits), so the result is deterministic. grad_x may alias g_mixed where
+/// they are one type (each element is read before the same thread writes it, and a lane's loads
+/// of a group all come before its stores), so neither carries __restrict__.
+template <typename G, typename X, typename L, int N>
 QBL_KERNEL void __launch_bounds__(backward_block_threads)
-    quant_blend_backward_kernel(const T* g_mixed, const T* __restrict__ x,
-                                const T* __restrict__ logits, const float* __restrict__ scale_in,
-                                T* grad_x, T* __restrict__ grad_logits, std::int64_t tokens,
+    quant_blend_backward_kernel(const G* g_mixed, const X* __restrict__ x,
+                                const L* __restrict__ logits, const float* __restrict__ scale_in,
+                                X* grad_x, L* __restrict__ grad_logits, std::int64_t tokens,
                                 std::int64_t features, QuantGrad mode) {
+  constexpr int U = backward_vectors_in_flight;
   const std::int64_t row =
       static_cast<std::int64_t>(blockIdx.x) * backward_rows_per_block + threadIdx.x / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (row >= tokens) return;
   const std::int64_t cols = features / N;
-  const auto* gv = reinterpret_cast<const Vec<T, N>*>(g_mixed) + row * cols;
-  // Issue the first loads before the gate's exp and the scale's reciprocal.
-  Vec<T, N> g_first, x_first;
-  if (lane < cols) {
-    g_first = gv[lane];
-    if (grad_logits != nullptr) x_first = reinterpret_cast<const Vec<T, N>*>(x)[row * cols + lane];
-  }
-  const float alpha = sigmoid<T>(to_float(logits[row]));
-  const QuantBlendGradMath<T, N> math(*scale_in, alpha, one_minus<T>(alpha), mode);
-  float sum_q = 0.0f, sum_x = 0.0f;
-  for (std::int64_t c = lane; c < cols; c += 32) {
-    const Vec<T, N> g = c == lane ? g_first : gv[c];
-    if (grad_logits != nullptr) {
-      math.sums(g, c == lane ? x_first : reinterpret_cast<const Vec<T, N>*>(x)[row * cols + c],
-                sum_q, sum_x);
+  const auto* gv = reinterpret_cast<const Vec<G, N>*>(g_mixed) + row * cols;
+  const auto* xv = reinterpret_cast<const Vec<X, N>*>(x) + row * cols;
+  auto* out = reinterpret_cast<Vec<X, N>*>(grad_x) + row * cols;
+  const bool want_logits = grad_logits != nullptr, want_x = grad_x != nullptr;
+  Vec<G, N> g[U];
+  Vec<X, N> xs[U];
+  auto load = [&](std::int64_t c0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const std::int64_t c = c0 + 32 * u;
+      if (c < cols) {
+        g[u] = gv[c];
+        if (want_logits) xs[u] = xv[c];
+      }
     }
-    if (grad_x != nullptr) reinterpret_cast<Vec<T, N>*>(grad_x)[row * cols + c] = math.grad_x(g);
+  };
+  // The first group's loads go out before the gate's exp and the scale's reciprocal.
+  load(lane);
+  const float alpha = sigmoid<L>(to_float(logits[row]));
+  const QuantBlendGradMath<G, X, L, N> math(*scale_in, alpha, one_minus<L>(alpha), mode);
+  CompensatedSum sum_q, sum_x;
+  for (std::int64_t c0 = lane; c0 < cols; c0 += 32 * U) {
+    if (c0 != lane) load(c0);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const std::int64_t c = c0 + 32 * u;
+      if (c >= cols) break;
+      if (want_logits) math.sums(g[u], xs[u], sum_q, sum_x);
+      if (want_x) out[c] = math.grad_x(g[u]);
+    }
   }
-  if (grad_logits == nullptr) return;
+  if (!want_logits) return;
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
-    sum_q = add_rn(sum_q, __shfl_xor_sync(0xffffffffu, sum_q, offset));
-    sum_x = add_rn(sum_x, __shfl_xor_sync(0xffffffffu, sum_x, offset));
+    const float qs = __shfl_xor_sync(0xffffffffu, sum_q.sum, offset);
+    const float ql = __shfl_xor_sync(0xffffffffu, sum_q.low, offset);
+    const float xs_ = __shfl_xor_sync(0xffffffffu, sum_x.sum, offset);
+    const float xl = __shfl_xor_sync(0xffffffffu, sum_x.low, offset);
+    sum_q.merge(qs, ql);
+    sum_x.merge(xs_, xl);
   }
   if (lane == 0)
-    grad_logits[row] = from_float<T>(grad_logit_value<T>(grad_alpha_value<T>(sum_q, sum_x), alpha));
+    grad_logits[row] = from_float<L>(
+        grad_logit_value<L>(grad_alpha_value<X, L>(sum_q.value(), sum_x.value()), alpha));
 }
 
-template <typename T, int N>
-cudaError_t launch_quant_blend_backward(const T* g_mixed, const T* x, const T* logits,
-                                        const float* scale, T* grad_x, T* grad_logits,
+template <typename G, typename X, typename L, int N>
+cudaError_t launch_quant_blend_backward(const G* g_mixed, const X* x, const L* logits,
+                                        const float* scale, X* grad_x, L* grad_logits,
                                         std::int64_t tokens, std::int64_t features, QuantGrad mode,
                                         cudaStream_t stream) {
   const std::int64_t blocks = ceil_div<std::int64_t>(tokens, backward_rows_per_block);
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  quant_blend_backward_kernel<T, N>
+  quant_blend_backward_kernel<G, X, L, N>
       <<<static_cast<unsigned>(blocks), backward_block_threads, 0, stream>>>(
           g_mixed, x, logits, scale, grad_x, grad_logits, tokens, features, mode);
   return cudaGetLastError();
 }
 
-inline constexpr int bias_grad_cols = 32;  // columns per block, one per lane
-inline constexpr int bias_grad_rows = 32;  // row lanes per block, each summing every 32nd row
+// ---- the bias gradient: column sums ----------------------------------------------------------
 
-/// grad_bias[c] for 32 columns per block: 32 row lanes sum every 32nd row of their column in
-/// fp32, then lane 0 adds the 32 partial sums in order. Deterministic.
-template <typename T>
-QBL_KERNEL void __launch_bounds__(bias_grad_cols* bias_grad_rows)
-    bias_grad_kernel(const T* __restrict__ g, T* __restrict__ grad_bias, std::int64_t tokens,
-                     std::int64_t outs, bool accumulate) {
-  __shared__ float partial[bias_grad_rows][bias_grad_cols + 1];
-  const int tx = static_cast<int>(threadIdx.x) % bias_grad_cols;
-  const int ty = static_cast<int>(threadIdx.x) / bias_grad_cols;
-  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * bias_grad_cols + tx;
-  float s = 0.0f;
-  if (c < outs)
-    for (std::int64_t r = ty; r < tokens; r += bias_grad_rows)
-      s = add_rn(s, to_float(g[r * outs + c]));
-  partial[ty][tx] = s;
-  __syncthreads();
-  if (ty != 0 || c >= outs) return;
-  float total = partial[0][tx];
-  for (int r = 1; r < bias_grad_rows; ++r) total = add_rn(total, partial[r][tx]);
-  float v = round_to<T>(total);
-  if (accumulate) v = add_rn(to_float(grad_bias[c]), v);
-  grad_bias[c] = from_float<T>(v);
+inline constexpr int column_sum_threads = 256;
+inline constexpr int column_sum_lanes = 32;  ///< column vectors per block (one warp's width)
+inline constexpr int column_sum_row_lanes = column_sum_threads / column_sum_lanes;
+inline constexpr int column_sum_rows_in_flight = 8;  ///< rows each thread loads before adding
+inline constexpr int column_sum_max_splits = 64;     ///< row ranges (bias_grad_workspace_bytes)
+
+/// Row ranges for a column sum of [rows, cols] in vectors of N on `sms` multiprocessors: enough
+/// blocks for about four per multiprocessor, each range at least 64 rows (one pass of eight rows
+/// per row lane), at most column_sum_max_splits; 1 without a workspace.
+inline int column_sum_splits(std::int64_t rows, std::int64_t cols, int n, int sms, bool workspace) {
+  if (!workspace || rows <= 0) return 1;
+  const std::int64_t col_blocks =
+      ceil_div<std::int64_t>(ceil_div<std::int64_t>(cols, n), column_sum_lanes);
+  const std::int64_t want = ceil_div<std::int64_t>(std::int64_t{sms} * 4, col_blocks);
+  return static_cast<int>(std::clamp<std::int64_t>(
+      std::min<std::int64_t>(want, ceil_div<std::int64_t>(rows, 64)), 1, column_sum_max_splits));
 }
 
-/// grad_bias[c] = RN_T(grad_bias[c] + add[c]): autograd's accumulation of a parameter gradient.
+/// Column sums of g [rows, cols] over the rows of range blockIdx.y (of gridDim.y equal ranges):
+/// 32 lanes of N consecutive columns each, 8 row lanes taking every 8th row (4 rows' loads in
+/// flight), fp32 sums combined over the row lanes in order. One range: the result, rounded to T
+/// (and accumulated); several: fp32 partials[range][col] for column_sum_finish.
+template <typename T, int N>
+QBL_KERNEL void __launch_bounds__(column_sum_threads)
+    column_sum_kernel(const T* __restrict__ g, std::int64_t rows, std::int64_t cols,
+                      float* __restrict__ partials, T* __restrict__ out, bool accumulate) {
+  __shared__ float shared[column_sum_row_lanes][column_sum_lanes * N];
+  const int lane = static_cast<int>(threadIdx.x % column_sum_lanes);
+  const int row_lane = static_cast<int>(threadIdx.x / column_sum_lanes);
+  const std::int64_t col0 =
+      (static_cast<std::int64_t>(blockIdx.x) * column_sum_lanes + lane) * N;  // first column
+  const std::int64_t per_range = ceil_div<std::int64_t>(rows, gridDim.y);
+  const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * per_range;
+  const std::int64_t r1 = r0 + per_range < rows ? r0 + per_range : rows;
+  float acc[N] = {};
+  if (col0 < cols) {
+    constexpr int R = column_sum_rows_in_flight;
+    for (std::int64_t r = r0 + row_lane; r < r1; r += column_sum_row_lanes * R) {
+      Vec<T, N> v[R];
+#pragma unroll
+      for (int k = 0; k < R; ++k) {
+        const std::int64_t rr = r + k * column_sum_row_lanes;
+        if (rr < r1) v[k] = *reinterpret_cast<const Vec<T, N>*>(g + rr * cols + col0);
+      }
+#pragma unroll
+      for (int k = 0; k < R; ++k) {
+        if (r + k * column_sum_row_lanes >= r1) break;
+#pragma unroll
+        for (int j = 0; j < N; ++j) acc[j] = add_rn(acc[j], to_float(v[k].v[j]));
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) shared[row_lane][lane * N + j] = acc[j];
+  __syncthreads();
+  // Thread i of the block finishes columns i, i + 256, ... of the block's 32 * N.
+  for (int k = static_cast<int>(threadIdx.x); k < column_sum_lanes * N; k += column_sum_threads) {
+    const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * column_sum_lanes * N + k;
+    if (c >= cols) continue;
+    float total = shared[0][k];
+    for (int r = 1; r < column_sum_row_lanes; ++r) total = add_rn(total, shared[r][k]);
+    if (gridDim.y > 1) {
+      partials[static_cast<std::int64_t>(blockIdx.y) * cols + c] = total;
+    } else {
+      float v = round_to<T>(total);
+      if (accumulate) v = add_rn(to_float(out[c]), v);
+      out[c] = from_float<T>(v);
+    }
+  }
+}
+
+/// out[c] = RN_T(sum over ranges of partials[range][c]) (and accumulated): one warp per column,
+/// lane l adding ranges l, l + 32 in order, the lanes combined in a fixed butterfly --
+/// deterministic, and one round trip to L2 instead of one per range.
+inline constexpr int column_sum_finish_threads = 256;
+
+template <typename T>
+QBL_KERNEL void __launch_bounds__(column_sum_finish_threads)
+    column_sum_finish_kernel(const float* __restrict__ partials, int splits, std::int64_t cols,
+                             T* __restrict__ out, bool accumulate) {
+  const std::int64_t c =
+      static_cast<std::int64_t>(blockIdx.x) * (column_sum_finish_threads / 32) + threadIdx.x / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (c >= cols) return;
+  float total = 0.0f;
+  for (int s = lane; s < splits; s += 32) total = add_rn(total, partials[s * cols + c]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2)
+    total = add_rn(total, __shfl_xor_sync(0xffffffffu, total, offset));
+  if (lane != 0) return;
+  float v = round_to<T>(total);
+  if (accumulate) v = add_rn(to_float(out[c]), v);
+  out[c] = from_float<T>(v);
+}
+
+template <typename T, int N>
+cudaError_t launch_column_sum(const T* g, T* out, std::int64_t rows, std::int64_t cols,
+                              bool accumulate, float* partials, int splits, cudaStream_t stream) {
+  const std::int64_t col_blocks =
+      ceil_div<std::int64_t>(ceil_div<std::int64_t>(cols, N), column_sum_lanes);
+  if (col_blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  column_sum_kernel<T, N>
+      <<<dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(splits)), column_sum_threads,
+         0, stream>>>(g, rows, cols, partials, out, accumulate);
+  QBL_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (splits == 1) return cudaSuccess;
+  const std::int64_t blocks = ceil_div<std::int64_t>(cols, column_sum_finish_threads / 32);
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  column_sum_finish_kernel<T>
+      <<<static_cast<unsigned>(blocks), column_sum_finish_threads, 0, stream>>>(
+          partials, splits, cols, out, accumulate);
+  return cudaGetLastError();
+}
+
+/// qbl::bias_grad with the multiprocessor count given (the backward plan asks for it once).
+template <typename T>
+cudaError_t bias_grad_launch(const T* d_grad_out, T* d_grad_bias, std::int64_t tokens,
+                             std::int64_t outs, bool accumulate, void* d_workspace, int sms,
+                             cudaStream_t stream) {
+  if (tokens < 0 || outs <= 0) return cudaErrorInvalidValue;
+  if (tokens == 0) return cudaSuccess;
+  if (d_grad_out == nullptr || d_grad_bias == nullptr) return cudaErrorInvalidValue;
+  if (d_workspace != nullptr && !is_aligned(d_workspace, sizeof(float)))
+    return cudaErrorInvalidValue;
+  constexpr int V = vec16<T>;
+  const bool vec = outs % V == 0 && is_aligned(d_grad_out, 16);
+  const int n = vec ? V : 1;
+  const int splits = column_sum_splits(tokens, outs, n, sms, d_workspace != nullptr);
+  auto* partials = static_cast<float*>(d_workspace);
+  return vec ? launch_column_sum<T, V>(d_grad_out, d_grad_bias, tokens, outs, accumulate, partials,
+                                       splits, stream)
+             : launch_column_sum<T, 1>(d_grad_out, d_grad_bias, tokens, outs, accumulate, partials,
+                                       splits, stream);
+}
+
+/// grad_bias[i] = RN_T(grad_bias[i] + add[i]): autograd's accumulation of a parameter gradient.
 template <typename T>
 QBL_KERNEL void accumulate_kernel(T* __restrict__ grad_bias, const T* __restrict__ add,
                                   std::int64_t n) {
@@ -202,40 +377,49 @@ cudaError_t accumulate_into(T* d_dst, const T* d_add, std::int64_t n, cudaStream
 
 namespace qbl {
 
-template <typename T>
-cudaError_t quant_blend_backward(const T* d_g_mixed, const T* d_x, const T* d_logits,
-                                 const float* d_scale, T* d_grad_x, T* d_grad_logits,
-                                 std::int64_t tokens, std::int64_t features, QuantGrad quant_grad,
-                                 cudaStream_t stream) {
+template <typename G, typename X, typename L>
+cudaError_t quant_blend_backward(const G* d_g_mixed, const detail::type_identity_t<X>* d_x,
+                                 const detail::type_identity_t<L>* d_logits, const float* d_scale,
+                                 detail::type_identity_t<X>* d_grad_x,
+                                 detail::type_identity_t<L>* d_grad_logits, std::int64_t tokens,
+                                 std::int64_t features, QuantGrad quant_grad, cudaStream_t stream) {
+  static_assert(detail::supported_types<X, G, L>,
+                "quant_blend_backward: one element type, or fp32 x with a bf16/fp16 g_mixed "
+                "(logits fp32 or of g_mixed's type)");
   if (tokens < 0 || features <= 0) return cudaErrorInvalidValue;
   if (tokens == 0 || (d_grad_x == nullptr && d_grad_logits == nullptr)) return cudaSuccess;
   if (d_g_mixed == nullptr || d_logits == nullptr || d_scale == nullptr ||
       (d_grad_logits != nullptr && d_x == nullptr))
     return cudaErrorInvalidValue;
-  constexpr int N = detail::vec16<T>;
-  const bool vec = features % N == 0 && detail::is_aligned(d_g_mixed, 16) &&
+  constexpr int N = detail::vec16<X>;
+  const bool vec = features % N == 0 && detail::is_aligned(d_g_mixed, N * sizeof(G)) &&
                    (d_grad_logits == nullptr || detail::is_aligned(d_x, 16)) &&
                    (d_grad_x == nullptr || detail::is_aligned(d_grad_x, 16));
-  return vec ? detail::launch_quant_blend_backward<T, N>(d_g_mixed, d_x, d_logits, d_scale,
-                                                         d_grad_x, d_grad_logits, tokens, features,
-                                                         quant_grad, stream)
-             : detail::launch_quant_blend_backward<T, 1>(d_g_mixed, d_x, d_logits, d_scale,
-                                                         d_grad_x, d_grad_logits, tokens, features,
-                                                         quant_grad, stream);
+  // In place only where the two are one type: grad_x over g_mixed itself.
+  if constexpr (!std::is_same_v<G, X>) {
+    if (static_cast<const void*>(d_grad_x) == static_cast<const void*>(d_g_mixed))
+      return cudaErrorInvalidValue;
+  }
+  return vec ? detail::launch_quant_blend_backward<G, X, L, N>(d_g_mixed, d_x, d_logits, d_scale,
+                                                               d_grad_x, d_grad_logits, tokens,
+                                                               features, quant_grad, stream)
+             : detail::launch_quant_blend_backward<G, X, L, 1>(d_g_mixed, d_x, d_logits, d_scale,
+                                                               d_grad_x, d_grad_logits, tokens,
+                                                               features, quant_grad, stream);
 }
 
 template <typename T>
 cudaError_t bias_grad(const T* d_grad_out, T* d_grad_bias, std::int64_t tokens, std::int64_t outs,
-                      bool accumulate, cudaStream_t stream) {
+                      bool accumulate, void* d_workspace, cudaStream_t stream) {
   if (tokens < 0 || outs <= 0) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
-  if (d_grad_out == nullptr || d_grad_bias == nullptr) return cudaErrorInvalidValue;
-  const std::int64_t blocks = detail::ceil_div<std::int64_t>(outs, detail::bias_grad_cols);
-  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  detail::bias_grad_kernel<T>
-      <<<static_cast<unsigned>(blocks), detail::bias_grad_cols * detail::bias_grad_rows, 0,
-         stream>>>(d_grad_out, d_grad_bias, tokens, outs, accumulate);
-  return cudaGetLastError();
+  if (d_grad_out == nullptr || d_grad_bias == nullptr ||
+      (d_workspace != nullptr && !detail::is_aligned(d_workspace, sizeof(float))))
+    return cudaErrorInvalidValue;  // before any CUDA call
+  int sms = 0;
+  QBL_CUDA_RETURN_IF_ERROR(detail::sm_count(&sms));
+  return detail::bias_grad_launch(d_grad_out, d_grad_bias, tokens, outs, accumulate, d_workspace,
+                                  sms, stream);
 }
 
 }  // namespace qbl

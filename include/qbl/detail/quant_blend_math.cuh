@@ -1,5 +1,5 @@
 // The quant-blend arithmetic as the kernel runs it: the values of qbl/element_math.cuh, bit for
-// bit, in fewer instructions.
+// bit, in fewer instructions. (Also the backward kernel's: qbl/detail/quant_blend_backward.inl.)
 //
 // Two changes of method, no change of value:
 //
@@ -163,59 +163,62 @@ struct Pair<__half> {
   }
 };
 
-/// The vector arithmetic of the quant-blend kernel for element type T and vector width N: the
-/// per-row gate (alpha and 1 - alpha as the arithmetic wants them), the per-launch scale, and
-/// `apply`, mixed for one vector. The general case is qbl/element_math.cuh element by element.
-template <typename T, int N, typename Enable = void>
+/// The vector arithmetic of the quant-blend kernel for x of type X, `mixed` of type G and logits
+/// of type L, vector width N: the per-row gate (alpha and 1 - alpha, rounded to L, as the
+/// arithmetic wants them), the per-launch scale (in X), and `apply`, mixed for one vector: the
+/// blend in X (the promoted type of every supported combination), rounded once to G. The general
+/// case is qbl/element_math.cuh element by element.
+template <typename X, typename G, typename L, int N, typename Enable = void>
 struct QuantBlendMath {
   struct Gate {
     float alpha, one_minus_alpha;
   };
-  static __device__ __forceinline__ Gate gate(T logit) {
-    const float a = sigmoid<T>(to_float(logit));
-    return {a, one_minus<T>(a)};
+  static __device__ __forceinline__ Gate gate(L logit) {
+    const float a = sigmoid<L>(to_float(logit));
+    return {a, one_minus<L>(a)};
   }
   float scale = 0.0f;
   __device__ __forceinline__ void set_scale(float s) { scale = s; }
-  __device__ __forceinline__ Vec<T, N> apply(const Vec<T, N>& in, Gate g) const {
-    Vec<T, N> out;
+  __device__ __forceinline__ Vec<G, N> apply(const Vec<X, N>& in, Gate g) const {
+    Vec<G, N> out;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const float xv = to_float(in.v[j]);
-      out.v[j] = from_float<T>(blend<T>(xv, fake_quant<T>(xv, scale), g.alpha, g.one_minus_alpha));
+      out.v[j] = from_float<G>(blend<X>(xv, fake_quant<X>(xv, scale), g.alpha, g.one_minus_alpha));
     }
     return out;
   }
 };
 
-/// float vectors: the division-free code, then fake_quant's product and blend's three roundings.
-template <int N>
-struct QuantBlendMath<float, N, std::enable_if_t<(N > 1)>> {
-  using Gate = typename QuantBlendMath<float, 1>::Gate;
-  static __device__ __forceinline__ Gate gate(float logit) {
-    return QuantBlendMath<float, 1>::gate(logit);
+/// float x vectors: the division-free code, then fake_quant's product and blend's three
+/// roundings in fp32, and one rounding to G (mixed.to(G) under autocast).
+template <typename G, typename L, int N>
+struct QuantBlendMath<float, G, L, N, std::enable_if_t<(N > 1)>> {
+  using Gate = typename QuantBlendMath<float, G, L, 1>::Gate;
+  static __device__ __forceinline__ Gate gate(L logit) {
+    return QuantBlendMath<float, G, L, 1>::gate(logit);
   }
   float scale = 0.0f, y = 0.0f;
   __device__ __forceinline__ void set_scale(float s) {
     scale = s;
     y = code_reciprocal(s);
   }
-  __device__ __forceinline__ Vec<float, N> apply(const Vec<float, N>& in, Gate g) const {
-    Vec<float, N> out;
+  __device__ __forceinline__ Vec<G, N> apply(const Vec<float, N>& in, Gate g) const {
+    Vec<G, N> out;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const float xv = in.v[j];
       const float xq = mul_rn(quant_code(xv, scale, y), scale);
-      out.v[j] = add_rn(mul_rn(g.alpha, xq), mul_rn(g.one_minus_alpha, xv));
+      out.v[j] = from_float<G>(add_rn(mul_rn(g.alpha, xq), mul_rn(g.one_minus_alpha, xv)));
     }
     return out;
   }
 };
 
-/// bf16 / fp16 vectors of an even width: codes from the exact quotient, everything after it on
-/// packed pairs.
+/// bf16 / fp16 vectors of an even width, one type throughout: codes from the exact quotient,
+/// everything after it on packed pairs.
 template <typename T, int N>
-struct QuantBlendMath<T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && sizeof(T) == 2)>> {
+struct QuantBlendMath<T, T, T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && sizeof(T) == 2)>> {
   using P = Pair<T>;
   using T2 = typename P::type;
   struct Gate {

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 namespace qbl::detail {
 
@@ -54,6 +55,30 @@ template <>
 QBL_HOST_DEVICE __half from_float<__half>(float v) {
   return __float2half_rn(v);
 }
+
+/// float, __nv_bfloat16 or __half.
+template <typename T>
+inline constexpr bool is_element =
+    std::is_same_v<T, float> || std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;
+
+/// The element types a layer supports: X for x, G for the GEMM (mixed, weight, bias, out), L for
+/// the logits. One type for all three; or fp32 activations with a bf16 or fp16 GEMM, the logits
+/// in either (what PyTorch's autocast gives: fp32 LayerNorm output, a bf16 gate). In every
+/// supported combination the blend's promoted type is X.
+template <typename X, typename G, typename L>
+inline constexpr bool supported_types = is_element<X>&& is_element<G>&& is_element<L> &&
+                                        (std::is_same_v<G, X> ||
+                                         std::is_same_v<X, float>)&&(std::is_same_v<L, X> ||
+                                                                     std::is_same_v<L, G>);
+
+/// T itself, in a context where it is not deduced (C++20's std::type_identity_t): a parameter of
+/// a launcher that may be nullptr takes its type from the others.
+template <typename T>
+struct type_identity {
+  using type = T;
+};
+template <typename T>
+using type_identity_t = typename type_identity<T>::type;
 
 /// Multiprocessor count of the current device (no synchronization, no allocation).
 inline cudaError_t sm_count(int* count) {

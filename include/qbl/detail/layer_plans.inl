@@ -1,0 +1,365 @@
+// Member definitions of qbl::ForwardPlan and qbl::BackwardPlan.
+#pragma once
+
+#include <qbl/detail/checks.hpp>
+#include <qbl/detail/nvtx.hpp>
+#include <qbl/layer_plans.cuh>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+
+namespace qbl::detail {
+
+/// Checks the construction sizes before anything is planned; returns the current device.
+inline int plan_device(std::int64_t in_features, std::int64_t out_features, std::int64_t max_tokens,
+                       std::size_t elem) {
+  QBL_EXPECTS(in_features > 0 && out_features > 0, qbl::invalid_argument,
+              "in_features and out_features must be positive");
+  QBL_EXPECTS(max_tokens > 0, qbl::invalid_argument, "max_tokens must be positive");
+  checked_bytes(max_tokens, in_features, elem);
+  checked_bytes(max_tokens, out_features, elem);
+  checked_bytes(out_features, in_features, elem);
+  int d = 0;
+  QBL_CUDA_TRY(cudaGetDevice(&d));
+  return d;
+}
+
+/// wgrad beside dgrad (Options::overlap_wgrad = by_shape): up to the token count at which the
+/// two products together pass `overlap_max_macs` multiply-adds. Measured on an H200 (qbl_bench's
+/// train_overlap against train_serial, bf16 and fp32, from 1x8x1024 to 4x4096x4096,
+/// benchmarks/RESULTS.md): beside each other was as fast or faster at every shape -- wgrad's time
+/// hides behind dgrad and the element kernel even where each GEMM fills the GPU -- so no crossover
+/// has been measured and the limit is none.
+inline constexpr double overlap_max_macs = std::numeric_limits<double>::infinity();
+
+inline std::int64_t overlap_tokens(Choice choice, std::int64_t in, std::int64_t out,
+                                   std::int64_t max_tokens) noexcept {
+  if (choice == Choice::yes) return max_tokens;
+  if (choice == Choice::no) return 0;
+  const double per_token = 2.0 * static_cast<double>(in) * static_cast<double>(out);
+  return static_cast<std::int64_t>(
+      std::min(static_cast<double>(max_tokens), std::floor(overlap_max_macs / per_token)));
+}
+
+/// The bias gradient's source (Options::bias_from_epilogue = by_shape): the column sum. With
+/// cuBLASLt 13.1 on an H200 the BGRADB epilogue of the wgrad product ran as a separate kernel at
+/// every shape measured, slower than qbl's column sum at memory bandwidth (benchmarks/RESULTS.md).
+inline bool bias_from_epilogue(Choice choice) { return choice == Choice::yes; }
+
+}  // namespace qbl::detail
+
+namespace qbl {
+
+// ---- ForwardPlan --------------------------------------------------------------------------------
+
+template <typename X, typename G, typename L>
+ForwardPlan<X, G, L>::ForwardPlan(std::int64_t in_features, std::int64_t out_features,
+                                  std::int64_t max_tokens, const Options& options)
+    : gemm_((detail::plan_device(in_features, out_features, max_tokens, sizeof(X)),
+             GemmSpec::linear_forward(in_features, out_features)),
+            max_tokens, options) {
+  QBL_CUDA_TRY(cudaGetDevice(&device_));
+  QBL_CUDA_TRY((detail::launch_limits<X, G, L>(&limits_)));
+}
+
+template <typename X, typename G, typename L>
+std::size_t ForwardPlan<X, G, L>::workspace_bytes_for(std::size_t cublas_workspace_bytes) noexcept {
+  return detail::align_up(amax_quant_blend_workspace_bytes) + cublas_workspace_bytes;
+}
+
+template <typename X, typename G, typename L>
+detail::Check ForwardPlan<X, G, L>::check(const Arguments& a, AmaxSource source) const noexcept {
+  QBL_CHECK(gemm_.valid(), logic_error, "a moved-from ForwardPlan cannot run");
+  QBL_CHECK(a.tokens >= 0, invalid_argument, "tokens must be non-negative");
+  QBL_CHECK(a.tokens <= max_tokens(), out_of_range, "tokens exceeds max_tokens");
+  QBL_CHECK(source == AmaxSource::x || source == AmaxSource::stats, invalid_argument,
+            "unknown amax source");
+  if (a.tokens == 0) return {};
+  QBL_CHECK(a.x != nullptr && a.logits != nullptr && a.weight != nullptr && a.out != nullptr,
+            invalid_argument, "x, logits, weight and out must not be null");
+  QBL_CHECK(a.mixed != nullptr && a.stats != nullptr, invalid_argument,
+            "mixed and stats must not be null");
+  QBL_CHECK(detail::is_aligned(a.x, sizeof(X)) && detail::is_aligned(a.logits, sizeof(L)) &&
+                detail::is_aligned(a.weight, sizeof(G)) && detail::is_aligned(a.bias, sizeof(G)) &&
+                detail::is_aligned(a.out, sizeof(G)) && detail::is_aligned(a.mixed, sizeof(G)) &&
+                detail::is_aligned(a.stats, sizeof(float)),
+            invalid_argument, "pointers must be aligned to the element size");
+  const std::int64_t t = a.tokens, in = in_features(), out = out_features();
+  const detail::Span x{a.x, detail::span_bytes(t, in, sizeof(X))};
+  const detail::Span logits{a.logits, detail::span_bytes(t, 1, sizeof(L))};
+  const detail::Span weight{a.weight, detail::span_bytes(out, in, sizeof(G))};
+  const detail::Span bias{a.bias, detail::span_bytes(out, 1, sizeof(G))};
+  const detail::Span o{a.out, detail::span_bytes(t, out, sizeof(G))};
+  const detail::Span mixed{a.mixed, detail::span_bytes(t, in, sizeof(G))};
+  const detail::Span stats{a.stats, stats_floats * sizeof(float)};
+  for (const detail::Span& input : {x, logits, weight, bias}) {
+    QBL_CHECK(!detail::overlaps(o, input), invalid_argument,
+              "out must not overlap x, logits, weight or bias");
+    QBL_CHECK(!detail::overlaps(mixed, input) && !detail::overlaps(stats, input), invalid_argument,
+              "mixed and stats must not overlap an input or out");
+  }
+  QBL_CHECK(!detail::overlaps(mixed, o) && !detail::overlaps(stats, o), invalid_argument,
+            "mixed and stats must not overlap an input or out");
+  QBL_CHECK(!detail::overlaps(mixed, stats), invalid_argument,
+            "mixed and stats must not overlap each other");
+  QBL_CHECK(detail::current_device() == device_, invalid_argument,
+            "a plan runs on the device it was made on");
+  return {};
+}
+
+template <typename X, typename G, typename L>
+bool ForwardPlan<X, G, L>::supports(const Arguments& args, AmaxSource source) const noexcept {
+  return check(args, source).ok();
+}
+
+template <typename X, typename G, typename L>
+void ForwardPlan<X, G, L>::run(const Arguments& a, void* workspace, cudaStream_t stream,
+                               AmaxSource source) const {
+  const detail::NvtxRange range("qbl forward");
+  detail::raise(check(a, source));
+  if (a.tokens == 0) return;
+  QBL_EXPECTS(workspace != nullptr && detail::is_aligned(workspace, 256), qbl::invalid_argument,
+              "the workspace must be a 256-byte aligned buffer of workspace_bytes()");
+  const std::int64_t in = in_features();
+  {
+    const detail::NvtxRange prologue("qbl prologue (amax + quant_blend)");
+    QBL_CUDA_TRY(source == AmaxSource::x
+                     ? detail::amax_quant_blend_with(a.x, a.logits, a.mixed, a.tokens, in, a.stats,
+                                                     a.stats + 1, workspace, limits_, stream)
+                     : detail::quant_blend_with(a.x, a.logits, a.stats, a.mixed, a.tokens, in,
+                                                a.stats + 1, limits_, stream));
+  }
+  const detail::NvtxRange gemm("qbl gemm");
+  void* gemm_workspace =
+      static_cast<char*>(workspace) + detail::align_up(amax_quant_blend_workspace_bytes);
+  gemm_.run(a.weight, a.mixed, a.out, a.bias, a.tokens, 0.0f, gemm_workspace, stream);
+}
+
+template <typename X, typename G, typename L>
+void ForwardPlan<X, G, L>::local_amax(const X* x, std::int64_t tokens, float* stats,
+                                      cudaStream_t stream) const {
+  const detail::NvtxRange range("qbl local amax");
+  QBL_EXPECTS(gemm_.valid(), qbl::logic_error, "a moved-from ForwardPlan cannot run");
+  QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
+  QBL_EXPECTS(tokens <= max_tokens(), qbl::out_of_range, "tokens exceeds max_tokens");
+  QBL_EXPECTS(stats != nullptr && (tokens == 0 || x != nullptr), qbl::invalid_argument,
+              "x and stats must not be null");
+  QBL_EXPECTS(detail::is_aligned(x, sizeof(X)) && detail::is_aligned(stats, sizeof(float)),
+              qbl::invalid_argument, "pointers must be aligned to the element size");
+  QBL_EXPECTS(!detail::overlaps({stats, stats_floats * sizeof(float)},
+                                {x, detail::span_bytes(tokens, in_features(), sizeof(X))}),
+              qbl::invalid_argument, "stats must not overlap x");
+  QBL_EXPECTS(detail::current_device() == device_, qbl::invalid_argument,
+              "a plan runs on the device it was made on");
+  QBL_CUDA_TRY(detail::amax_launch(x, tokens * in_features(), stats, limits_.sms, stream));
+}
+
+// ---- BackwardPlan -------------------------------------------------------------------------------
+
+template <typename X, typename G, typename L>
+struct BackwardPlan<X, G, L>::Layout {
+  std::size_t dgrad_ws = 0, wgrad_ws = 0, partials = 0, bias_scratch = 0, g_mixed = 0, total = 0;
+};
+
+template <typename X, typename G, typename L>
+BackwardPlan<X, G, L>::BackwardPlan(std::int64_t in_features, std::int64_t out_features,
+                                    std::int64_t max_tokens, const Options& options)
+    : dgrad_((detail::plan_device(in_features, out_features, max_tokens, sizeof(X)),
+              GemmSpec::linear_dgrad(in_features, out_features)),
+             max_tokens, options),
+      wgrad_(GemmSpec::linear_wgrad(in_features, out_features,
+                                    detail::bias_from_epilogue(options.bias_from_epilogue)),
+             max_tokens, options),
+      bias_from_epilogue_(detail::bias_from_epilogue(options.bias_from_epilogue)),
+      overlap_tokens_(
+          detail::overlap_tokens(options.overlap_wgrad, in_features, out_features, max_tokens)) {
+  QBL_CUDA_TRY(cudaGetDevice(&device_));
+  QBL_CUDA_TRY(detail::sm_count(&sms_));
+  if (overlap_tokens_ > 0) {
+    cudaStream_t side = nullptr;
+    QBL_CUDA_TRY(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    side_.reset(side);
+    for (detail::event_ptr* e : {&fork_, &join_}) {
+      cudaEvent_t ev = nullptr;
+      QBL_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+      e->reset(ev);
+    }
+    fork_mutex_ = std::make_unique<std::mutex>();
+  }
+}
+
+template <typename X, typename G, typename L>
+typename BackwardPlan<X, G, L>::Layout BackwardPlan<X, G, L>::layout_for(
+    std::int64_t in, std::int64_t out, std::int64_t tokens, std::size_t cublas_workspace_bytes,
+    bool two_gemm_workspaces) noexcept {
+  Layout l;
+  const std::size_t ws = detail::align_up(cublas_workspace_bytes);
+  l.dgrad_ws = 0;
+  l.wgrad_ws = two_gemm_workspaces ? ws : 0;  // one workspace when the GEMMs never overlap
+  l.partials = l.wgrad_ws + ws;
+  l.bias_scratch = l.partials + detail::align_up(bias_grad_workspace_bytes(out));
+  l.g_mixed = l.bias_scratch + detail::align_up(detail::span_bytes(out, 1, sizeof(G)));
+  l.total = l.g_mixed +
+            detail::align_up(detail::span_bytes(std::max<std::int64_t>(tokens, 0), in, sizeof(G)));
+  return l;
+}
+
+template <typename X, typename G, typename L>
+typename BackwardPlan<X, G, L>::Layout BackwardPlan<X, G, L>::layout(
+    std::int64_t tokens) const noexcept {
+  return layout_for(in_features(), out_features(), tokens, dgrad_.workspace_bytes(),
+                    overlap_tokens_ > 0);
+}
+
+template <typename X, typename G, typename L>
+std::size_t BackwardPlan<X, G, L>::workspace_bytes(std::int64_t tokens) const noexcept {
+  return layout(std::min(tokens, max_tokens())).total;
+}
+
+template <typename X, typename G, typename L>
+std::size_t BackwardPlan<X, G, L>::workspace_bytes_for(std::int64_t in_features,
+                                                       std::int64_t out_features,
+                                                       std::int64_t max_tokens, std::int64_t tokens,
+                                                       const Options& options) noexcept {
+  const bool two =
+      detail::overlap_tokens(options.overlap_wgrad, in_features, out_features, max_tokens) > 0;
+  return layout_for(in_features, out_features, std::min(tokens, max_tokens),
+                    options.cublas_workspace_bytes, two)
+      .total;
+}
+
+template <typename X, typename G, typename L>
+detail::Check BackwardPlan<X, G, L>::check(const Arguments& a) const noexcept {
+  QBL_CHECK(dgrad_.valid() && wgrad_.valid(), logic_error, "a moved-from BackwardPlan cannot run");
+  QBL_CHECK(a.tokens >= 0, invalid_argument, "tokens must be non-negative");
+  QBL_CHECK(a.tokens <= max_tokens(), out_of_range, "tokens exceeds max_tokens");
+  const bool want_x = a.grad_x != nullptr, want_logits = a.grad_logits != nullptr;
+  const bool want_weight = a.grad_weight != nullptr, want_bias = a.grad_bias != nullptr;
+  const bool dgrad = want_x || want_logits;
+  if (a.tokens == 0 || !(dgrad || want_weight || want_bias)) return {};
+  // What each wanted output needs, and nothing else.
+  QBL_CHECK(a.grad_out != nullptr, invalid_argument, "grad_out must not be null");
+  QBL_CHECK(!dgrad || (a.weight != nullptr && a.logits != nullptr && a.stats != nullptr),
+            invalid_argument, "grad_x and grad_logits need weight, logits and stats");
+  QBL_CHECK(!want_logits || a.x != nullptr, invalid_argument, "grad_logits needs x");
+  QBL_CHECK(!want_weight || a.mixed != nullptr, invalid_argument, "grad_weight needs mixed");
+  const std::int64_t t = a.tokens, in = in_features(), out = out_features();
+  const detail::Span inputs[] = {
+      {a.grad_out, detail::span_bytes(t, out, sizeof(G))},
+      {want_logits ? a.x : nullptr, detail::span_bytes(t, in, sizeof(X))},
+      {dgrad ? a.logits : nullptr, detail::span_bytes(t, 1, sizeof(L))},
+      {dgrad ? a.weight : nullptr, detail::span_bytes(out, in, sizeof(G))},
+      {want_weight ? a.mixed : nullptr, detail::span_bytes(t, in, sizeof(G))},
+      {dgrad ? a.stats : nullptr, stats_floats * sizeof(float)}};
+  const detail::Span outputs[] = {{a.grad_x, detail::span_bytes(t, in, sizeof(X))},
+                                  {a.grad_logits, detail::span_bytes(t, 1, sizeof(L))},
+                                  {a.grad_weight, detail::span_bytes(out, in, sizeof(G))},
+                                  {a.grad_bias, detail::span_bytes(out, 1, sizeof(G))}};
+  QBL_CHECK(
+      detail::is_aligned(a.grad_out, sizeof(G)) && detail::is_aligned(a.x, sizeof(X)) &&
+          detail::is_aligned(a.logits, sizeof(L)) && detail::is_aligned(a.weight, sizeof(G)) &&
+          detail::is_aligned(a.mixed, sizeof(G)) && detail::is_aligned(a.stats, sizeof(float)) &&
+          detail::is_aligned(a.grad_x, sizeof(X)) && detail::is_aligned(a.grad_logits, sizeof(L)) &&
+          detail::is_aligned(a.grad_weight, sizeof(G)) &&
+          detail::is_aligned(a.grad_bias, sizeof(G)),
+      invalid_argument, "pointers must be aligned to the element size");
+  for (const detail::Span& o : outputs) {
+    for (const detail::Span& i : inputs)
+      QBL_CHECK(!detail::overlaps(o, i), invalid_argument,
+                "a gradient output must not overlap an input");
+    for (const detail::Span& p : outputs)
+      QBL_CHECK(&p == &o || !detail::overlaps(o, p), invalid_argument,
+                "gradient outputs must not overlap each other");
+  }
+  QBL_CHECK(detail::current_device() == device_, invalid_argument,
+            "a plan runs on the device it was made on");
+  return {};
+}
+
+template <typename X, typename G, typename L>
+bool BackwardPlan<X, G, L>::supports(const Arguments& args) const noexcept {
+  return check(args).ok();
+}
+
+template <typename X, typename G, typename L>
+void BackwardPlan<X, G, L>::run(const Arguments& a, void* workspace, cudaStream_t stream) const {
+  const detail::NvtxRange range("qbl backward");
+  detail::raise(check(a));
+  const bool want_x = a.grad_x != nullptr, want_logits = a.grad_logits != nullptr;
+  const bool want_weight = a.grad_weight != nullptr, want_bias = a.grad_bias != nullptr;
+  const bool dgrad = want_x || want_logits;
+  if (a.tokens == 0 || !(dgrad || want_weight || want_bias)) return;
+  QBL_EXPECTS(workspace != nullptr && detail::is_aligned(workspace, 256), qbl::invalid_argument,
+              "the workspace must be a 256-byte aligned buffer of workspace_bytes(tokens)");
+  const Layout l = layout(a.tokens);
+  auto* ws = static_cast<char*>(workspace);
+  const std::int64_t in = in_features(), out = out_features();
+
+  // wgrad (and the bias gradient) beside dgrad when both run: on the side stream, forked here.
+  const bool fork = dgrad && (want_weight || want_bias) && overlaps(a.tokens);
+  std::unique_lock<std::mutex> fork_lock;
+  cudaStream_t wstream = stream;
+  if (fork) {
+    fork_lock = std::unique_lock<std::mutex>(*fork_mutex_);
+    QBL_CUDA_TRY(cudaEventRecord(fork_.get(), stream));
+    QBL_CUDA_TRY(cudaStreamWaitEvent(side_.get(), fork_.get(), 0));
+    wstream = side_.get();
+  }
+  // Joins the side stream back into `stream` on every way out, a throw included: the caller's
+  // later work (an allocator reusing grad_out or mixed, the end of a graph capture) must never
+  // run ahead of wgrad. The normal way out checks the two calls; a throw's cannot be reported.
+  struct Join {
+    cudaStream_t main, side;
+    cudaEvent_t event;
+    bool armed;
+    cudaError_t join() noexcept {
+      armed = false;
+      const cudaError_t e = cudaEventRecord(event, side);
+      return e != cudaSuccess ? e : cudaStreamWaitEvent(main, event, 0);
+    }
+    ~Join() {
+      if (armed) join();
+    }
+  } join{stream, side_.get(), join_.get(), fork};
+
+  if (want_weight || want_bias) {
+    const detail::NvtxRange wgrad_range("qbl wgrad + bias_grad");
+    void* wws = ws + (fork ? l.wgrad_ws : l.dgrad_ws);
+    // grad_bias from the BGRADB epilogue (which overwrites: accumulating, it goes to a scratch
+    // vector first) or from the column sum (which accumulates itself).
+    const bool epilogue = want_bias && want_weight && bias_from_epilogue_;
+    G* bias_out = epilogue
+                      ? (a.accumulate ? reinterpret_cast<G*>(ws + l.bias_scratch) : a.grad_bias)
+                      : nullptr;
+    if (want_weight) {
+      wgrad_.run(a.mixed, a.grad_out, a.grad_weight, bias_out, a.tokens, a.accumulate ? 1.0f : 0.0f,
+                 wws, wstream);
+    }
+    if (epilogue && a.accumulate)
+      QBL_CUDA_TRY(
+          detail::accumulate_into(a.grad_bias, static_cast<const G*>(bias_out), out, wstream));
+    if (want_bias && !epilogue) {
+      QBL_CUDA_TRY(detail::bias_grad_launch(a.grad_out, a.grad_bias, a.tokens, out, a.accumulate,
+                                            ws + l.partials, sms_, wstream));
+    }
+  }
+  if (dgrad) {
+    const detail::NvtxRange dgrad_range("qbl dgrad + quant_blend_backward");
+    // dgrad: g_mixed = grad_out · weight, formed where grad_x goes when the two are one type (the
+    // element kernel then works in place), else in the workspace.
+    G* g_mixed = reinterpret_cast<G*>(ws + l.g_mixed);
+    if constexpr (std::is_same_v<G, X>) {
+      if (want_x) g_mixed = a.grad_x;
+    }
+    dgrad_.run(a.weight, a.grad_out, g_mixed, nullptr, a.tokens, 0.0f, ws + l.dgrad_ws, stream);
+    QBL_CUDA_TRY(
+        (quant_blend_backward<G, X, L>(g_mixed, a.x, a.logits, a.stats + 1, a.grad_x, a.grad_logits,
+                                       a.tokens, in, a.quant_grad, stream)));
+  }
+  if (fork) QBL_CUDA_TRY(join.join());
+}
+
+}  // namespace qbl

@@ -1,0 +1,257 @@
+// qbl/layer_plans.cuh -- the layer as two immutable plans, in the manner of CUTLASS's device-level
+// operators (can_implement / get_workspace_size / run over an Arguments struct):
+//
+//   qbl::ForwardPlan<X, G, L>   the prologue (amax, quant-blend) and the forward GEMM
+//   qbl::BackwardPlan<X, G, L>  the dgrad and wgrad GEMMs, the quant-blend backward and the bias
+//                               gradient, wgrad beside dgrad on a second stream where that pays
+//
+// Element types: X for x (and grad_x), G for the GEMM (mixed, weight, bias, out and their
+// gradients), L for the logits (and grad_logits). One type for all three (float, __nv_bfloat16,
+// __half; G and L default to X), or fp32 x with a bf16 or fp16 GEMM and the logits in fp32 or
+// in the GEMM's type -- what PyTorch's autocast gives a layer, computed as eager computes the
+// reference module under autocast.
+//
+// A plan is made once per shape (it plans cuBLASLt for every token count up to max_tokens) and
+// owns no device memory: each run() takes the caller's workspace of workspace_bytes(). run()
+// checks its arguments in one function (supports() asks the same one) and throws before anything
+// is enqueued; it allocates nothing, queries no heuristic, never synchronizes, and can be captured
+// in a CUDA graph. Plans are const after construction: run() may be called from several threads
+// and streams at once, each call with its own workspace.
+//
+//   qbl::ForwardPlan<float> fwd(in, out, max_tokens);
+//   qbl::BackwardPlan<float> bwd(in, out, max_tokens);
+//   void* ws;  cudaMalloc(&ws, std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
+//   qbl::ForwardArgs<float> f;  f.x = d_x;  f.logits = d_l;  f.weight = d_w;  f.bias = d_b;
+//   f.out = d_out;  f.mixed = d_mixed;  f.stats = d_stats;  f.tokens = tokens;
+//   fwd.run(f, ws, stream);
+//   qbl::BackwardArgs<float> b;  b.grad_out = d_g;  b.x = d_x;  b.logits = d_l;  b.weight = d_w;
+//   b.mixed = d_mixed;  b.stats = d_stats;  b.tokens = tokens;
+//   b.grad_x = d_gx;  b.grad_logits = d_gl;  b.grad_weight = d_gw;  b.grad_bias = d_gb;
+//   bwd.run(b, ws, stream);
+#pragma once
+
+#include <qbl/detail/checks.hpp>
+#include <qbl/detail/handles.hpp>
+#include <qbl/error.hpp>
+#include <qbl/gemm.cuh>
+#include <qbl/options.hpp>
+#include <qbl/quant_blend.cuh>
+#include <qbl/quant_blend_backward.cuh>
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+namespace qbl {
+
+/// Floats in a `stats` buffer: [amax, scale].
+inline constexpr std::int64_t stats_floats = 2;
+
+/// One forward's tensors. Device pointers to contiguous row-major data, each aligned to its
+/// element size: x [tokens, in_features], logits [tokens], weight [out_features, in_features]
+/// (nn.Linear's layout), bias [out_features] or nullptr, out [tokens, out_features], mixed
+/// [tokens, in_features] and stats [stats_floats] (amax, scale), which a backward reads. `out`,
+/// `mixed` and `stats` must not overlap an input or each other.
+template <typename X, typename G = X, typename L = X>
+struct ForwardArgs {
+  const X* x = nullptr;
+  const L* logits = nullptr;
+  const G* weight = nullptr;
+  const G* bias = nullptr;
+  G* out = nullptr;
+  G* mixed = nullptr;
+  float* stats = nullptr;
+  std::int64_t tokens = 0;
+};
+
+/// Where a forward's amax comes from.
+enum class AmaxSource {
+  x,      ///< max |x| over these tokens: the whole layer
+  stats,  ///< stats[0] as given, e.g. reduced over the shards of a sharded x (see local_amax)
+};
+
+/// The forward: amax, quant-blend and the GEMM, for one shape and every token count up to
+/// max_tokens.
+template <typename X, typename G = X, typename L = X>
+class ForwardPlan {
+  static_assert(detail::supported_types<X, G, L>,
+                "ForwardPlan<X, G, L>: one element type, or fp32 x with a bf16/fp16 GEMM and the "
+                "logits in fp32 or in the GEMM's type");
+
+ public:
+  using Arguments = ForwardArgs<X, G, L>;
+
+  /// Plans the GEMM on the current device, which every run() must also run on.
+  /// \throws qbl::invalid_argument for non-positive or overflowing sizes, qbl::cublas_error /
+  ///         qbl::cuda_error if planning fails.
+  ForwardPlan(std::int64_t in_features, std::int64_t out_features, std::int64_t max_tokens,
+              const Options& options = {});
+
+  ForwardPlan(ForwardPlan&&) noexcept = default;
+  ForwardPlan& operator=(ForwardPlan&&) noexcept = default;
+  ForwardPlan(const ForwardPlan&) = delete;
+  ForwardPlan& operator=(const ForwardPlan&) = delete;
+
+  /// Device bytes a run() needs: the amax kernel's per-block maxima and the GEMM's cuBLASLt
+  /// workspace. Needs no initialization; not shared with concurrent work.
+  std::size_t workspace_bytes() const noexcept {
+    return workspace_bytes_for(gemm_.workspace_bytes());
+  }
+
+  /// The same for a plan made with Options::cublas_workspace_bytes = `cublas_workspace_bytes`.
+  static std::size_t workspace_bytes_for(std::size_t cublas_workspace_bytes) noexcept;
+
+  /// Would run() accept these arguments? (The same checks, without throwing.)
+  bool supports(const Arguments& args, AmaxSource source = AmaxSource::x) const noexcept;
+
+  /// stats = [amax, scale]; mixed = quant_blend(x, logits); out = mixed · weightᵀ + bias, on
+  /// `stream`. tokens == 0 does nothing. With AmaxSource::stats the amax is read from stats[0]
+  /// (any non-negative float or NaN) and only the scale is written to stats[1].
+  /// \throws qbl::logic_error (moved-from plan), qbl::invalid_argument (a null or misaligned
+  ///         pointer, negative tokens, an output overlapping an input or another output, the
+  ///         wrong current device), qbl::out_of_range (tokens > max_tokens) -- all before
+  ///         anything is launched; qbl::cuda_error / qbl::cublas_error if a launch fails.
+  void run(const Arguments& args, void* workspace, cudaStream_t stream = nullptr,
+           AmaxSource source = AmaxSource::x) const;
+
+  /// A sharded forward's first step: stats[0] = max |x| over these tokens (0 for tokens == 0,
+  /// the identity of the reduction); stats[1] is not touched. Then the caller reduces stats[0] over
+  /// the shards -- as an unsigned integer max of its bits, which for a float with a clear sign bit
+  /// orders like the value, with every NaN above +Inf: the NaN-propagating max that a float MAX
+  /// reduction (fmaxf, dropping NaN) is not -- and runs run(args, ws, stream, AmaxSource::stats).
+  /// One memset and one kernel; reads nothing else, writes nothing else.
+  void local_amax(const X* x, std::int64_t tokens, float* stats,
+                  cudaStream_t stream = nullptr) const;
+
+  /// Will run() with these arguments take its GEMM to cuBLASLt (true) or to the fallback kernel?
+  bool uses_cublaslt(const Arguments& args) const noexcept {
+    return gemm_.uses_cublaslt(args.weight, args.mixed, args.out, args.bias, args.tokens);
+  }
+
+  const GemmPlan<G>& gemm() const noexcept { return gemm_; }
+  std::int64_t in_features() const noexcept { return gemm_.spec().k; }
+  std::int64_t out_features() const noexcept { return gemm_.spec().m; }
+  std::int64_t max_tokens() const noexcept { return gemm_.max_tokens(); }
+  int device() const noexcept { return device_; }
+
+ private:
+  detail::Check check(const Arguments& args, AmaxSource source) const noexcept;
+
+  GemmPlan<G> gemm_;
+  int device_ = -1;
+  detail::LaunchLimits limits_;  // of device_, for these types
+};
+
+/// One backward's tensors: grad_out [tokens, out_features] is dL/dout; x, logits and weight are
+/// the forward's inputs, `mixed` and `stats` what it saved. Gradient outputs may be nullptr (not
+/// wanted: that work is skipped); x is read only for grad_logits, `mixed` only for grad_weight,
+/// weight, logits and stats only for grad_x and grad_logits. Outputs must not overlap an input or
+/// each other.
+template <typename X, typename G = X, typename L = X>
+struct BackwardArgs {
+  const G* grad_out = nullptr;
+  const X* x = nullptr;
+  const L* logits = nullptr;
+  const G* weight = nullptr;
+  const G* mixed = nullptr;
+  const float* stats = nullptr;
+  std::int64_t tokens = 0;
+  X* grad_x = nullptr;       ///< [tokens, in_features]
+  L* grad_logits = nullptr;  ///< [tokens]
+  G* grad_weight = nullptr;  ///< [out_features, in_features]
+  G* grad_bias = nullptr;    ///< [out_features]
+  /// grad_weight and grad_bias: add to what they hold (cuBLASLt's beta = 1; the bias as
+  /// RN_G(old + RN_G(sum))), as frameworks accumulate over micro-batches. grad_x and
+  /// grad_logits are always overwritten.
+  bool accumulate = false;
+  /// The gradient through the fake quantizer: the reference's zero, or straight-through.
+  QuantGrad quant_grad = QuantGrad::zero;
+};
+
+/// The backward, as the autograd of the reference module (g = grad_out):
+///   g_mixed     = g · weight                                  (dgrad GEMM, rounded to G)
+///   grad_x      = g_mixed * (1 - alpha)  [+ g_mixed * alpha with QuantGrad::straight_through]
+///   grad_logits = sigmoid_backward(sum_f g_mixed * x_q - sum_f g_mixed * x, alpha)
+///   grad_weight = gᵀ · mixed                                  (wgrad GEMM)
+///   grad_bias   = sum over tokens of g                        (BGRADB epilogue or column sum)
+template <typename X, typename G = X, typename L = X>
+class BackwardPlan {
+  static_assert(detail::supported_types<X, G, L>,
+                "BackwardPlan<X, G, L>: one element type, or fp32 x with a bf16/fp16 GEMM and the "
+                "logits in fp32 or in the GEMM's type");
+
+ public:
+  using Arguments = BackwardArgs<X, G, L>;
+
+  /// Plans dgrad and wgrad on the current device, decides the bias gradient's source and where
+  /// wgrad runs beside dgrad (Options::bias_from_epilogue, Options::overlap_wgrad), and makes
+  /// the second stream and its events where it may.
+  /// \throws as ForwardPlan's constructor.
+  BackwardPlan(std::int64_t in_features, std::int64_t out_features, std::int64_t max_tokens,
+               const Options& options = {});
+
+  BackwardPlan(BackwardPlan&&) noexcept = default;
+  BackwardPlan& operator=(BackwardPlan&&) noexcept = default;
+  BackwardPlan(const BackwardPlan&) = delete;
+  BackwardPlan& operator=(const BackwardPlan&) = delete;
+
+  /// Device bytes a run() with up to `tokens` tokens needs (default: max_tokens): the GEMMs'
+  /// cuBLASLt workspaces (two where wgrad may run beside dgrad), the column sum's partial sums,
+  /// and a g_mixed scratch of [tokens, in_features] in G (used when grad_x is not wanted or is
+  /// of another type). Needs no initialization; not shared with concurrent work.
+  std::size_t workspace_bytes(std::int64_t tokens) const noexcept;
+  std::size_t workspace_bytes() const noexcept { return workspace_bytes(max_tokens()); }
+
+  /// workspace_bytes(tokens) of the plan these sizes and options make, without making it.
+  static std::size_t workspace_bytes_for(std::int64_t in_features, std::int64_t out_features,
+                                         std::int64_t max_tokens, std::int64_t tokens,
+                                         const Options& options) noexcept;
+
+  /// Would run() accept these arguments (with a workspace of workspace_bytes(tokens))?
+  bool supports(const Arguments& args) const noexcept;
+
+  /// The backward on `stream`. When both GEMMs run and overlaps(tokens), wgrad (and the bias
+  /// gradient) run on the plan's second stream, forked from `stream` and joined back into it by
+  /// two events (no host synchronization; a graph capture of `stream` takes it in): all of
+  /// run()'s work is ordered before what is enqueued on `stream` after it. tokens == 0, or no
+  /// output wanted, does nothing.
+  /// \throws as ForwardPlan::run.
+  void run(const Arguments& args, void* workspace, cudaStream_t stream = nullptr) const;
+
+  /// Does a run with `tokens` tokens put wgrad beside dgrad on the second stream?
+  bool overlaps(std::int64_t tokens) const noexcept { return tokens <= overlap_tokens_; }
+
+  /// Is grad_bias the wgrad GEMM's BGRADB epilogue (true) or qbl's column sum (false)?
+  bool bias_from_epilogue() const noexcept { return bias_from_epilogue_; }
+
+  const GemmPlan<G>& dgrad() const noexcept { return dgrad_; }
+  const GemmPlan<G>& wgrad() const noexcept { return wgrad_; }
+  std::int64_t in_features() const noexcept { return dgrad_.spec().m; }
+  std::int64_t out_features() const noexcept { return dgrad_.spec().k; }
+  std::int64_t max_tokens() const noexcept { return dgrad_.max_tokens(); }
+  int device() const noexcept { return device_; }
+
+ private:
+  struct Layout;  // offsets of the workspace's parts
+  static Layout layout_for(std::int64_t in, std::int64_t out, std::int64_t tokens,
+                           std::size_t cublas_workspace_bytes, bool two_gemm_workspaces) noexcept;
+  Layout layout(std::int64_t tokens) const noexcept;
+  detail::Check check(const Arguments& args) const noexcept;
+
+  GemmPlan<G> dgrad_, wgrad_;
+  bool bias_from_epilogue_ = false;
+  std::int64_t overlap_tokens_ = 0;  ///< wgrad beside dgrad up to this token count
+  int device_ = -1, sms_ = 0;
+  // The second stream and the fork/join events, where any token count overlaps; the mutex keeps
+  // one call's record and wait of an event together when several threads share the plan.
+  detail::stream_ptr side_;
+  detail::event_ptr fork_, join_;
+  std::unique_ptr<std::mutex> fork_mutex_;
+};
+
+}  // namespace qbl
+
+#include <qbl/detail/layer_plans.inl>
