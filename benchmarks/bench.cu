@@ -5,16 +5,16 @@
 // --dtypes, one process times, side by side on one non-default stream:
 //   forward      qbl::QuantBlendLinear<T>::forward (one object per shape and dtype,
 //                max_tokens = tokens)
-//   fwd_1pass    the same with Options::one_pass on: the prologue as one cooperative kernel that
-//                reads x once where x fits on chip (the default: memset + amax kernel +
-//                quant-blend kernel, x read twice)
 //   graph        the same forward captured once into a CUDA graph and replayed: the forward's
 //                time without its host-side launch costs
 //   amax         qbl::amax alone
 //   quant_blend  qbl::quant_blend alone, given a ready d_amax
-//   fused_prol.  qbl::amax_quant_blend (the prologue exactly as forward() issues it)
-//   gemm         qbl::LinearGemm<T>::run on a ready `mixed`, built with Options::autotune (the
-//                forward runs the default: cuBLASLt's first-ranked algorithm, as bare_gemm does)
+//   fused_prol.  qbl::amax_quant_blend (the prologue exactly as forward() issues it: the amax
+//                kernel's per-block maxima and the quant-blend kernel as its programmatic
+//                dependent, no memset)
+//   gemm         qbl::GemmPlan<T> of the forward's product on a ready `mixed`, built with
+//                Options::autotune (the forward runs the default: cuBLASLt's first-ranked
+//                algorithm, as bare_gemm does)
 //   bare_gemm    cuBLASLt set up here directly: TN, A/B/C/D in T, fp32 compute and scale,
 //                EPILOGUE_BIAS, top heuristic algorithm, 32 MiB workspace -- the "GEMM floor"
 //   bare_graph   the bare GEMM captured into a CUDA graph and replayed: the floor that the
@@ -28,10 +28,16 @@
 // and, unless --no-train, the training items of bench_train.cuh (its header comment defines them):
 //   train        one forward into caller-provided mixed/stats + one backward computing grad_x,
 //                grad_logits, grad_weight and grad_bias, on a QuantBlendLinear<T> built with
-//                Options::backward (x and logits rotating, grad_out one fixed random tensor)
+//                Options::backward (x and logits rotating, grad_out one fixed random tensor),
+//                with the backward plan's own choices; train_overlap / train_serial /
+//                train_bgradb the same with wgrad forced beside / after dgrad, or the bias
+//                gradient forced to the BGRADB epilogue
 //   train_graph  the same captured into CUDA graphs and replayed (launch-bound shapes only)
+//   bwd_elementwise  qbl::quant_blend_backward alone (grad_x and grad_logits from a ready g_mixed)
+//   column_sum   qbl's bias gradient alone (qbl::bias_grad with its workspace)
 //   bare_dgrad   cuBLASLt NN g · W (no epilogue), bare_wgrad cuBLASLt NT gᵀ · mixed with the
-//                BGRADB bias-gradient epilogue, both set up as bare_gemm
+//                BGRADB bias-gradient epilogue, bare_wgrad_plain the same without it, all set up
+//                as bare_gemm
 //
 // Dtypes (--dtypes, any of the four; default fp32,tf32,bf16), element type T:
 //   fp32   float; every GEMM in CUBLAS_COMPUTE_32F (PyTorch's default fp32 matmul)
@@ -151,6 +157,7 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
   DeviceBuffer out_fwd(x_bytes), out_chain(x_bytes), out_scratch(x_bytes);
   DeviceBuffer mixed_ready(x_bytes), mixed_scratch(x_bytes);
   DeviceBuffer amax_sets(sets * sizeof(float)), stats_scratch(2 * sizeof(float));
+  DeviceBuffer prologue_ws(qbl::amax_quant_blend_workspace_bytes);
   float* amax_scratch = stats_scratch.as<float>();
   float* scale_scratch = amax_scratch + 1;
 
@@ -167,14 +174,11 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
   qbl::Options options;
   options.allow_tf32 = tf32;
   qbl::QuantBlendLinear<T> layer(d, d, tokens, options);
-  qbl::Options one_pass_options = options;
-  one_pass_options.one_pass = true;
-  qbl::QuantBlendLinear<T> layer_1pass(d, d, tokens, one_pass_options);
-  // The `gemm` item is the autotuned LinearGemm: gemm/bare is what Options::autotune gains over
+  // The `gemm` item is the autotuned GemmPlan: gemm/bare is what Options::autotune gains over
   // cuBLASLt's first choice (which the default forward and the bare GEMM both run).
   qbl::Options tuned = options;
   tuned.autotune = true;
-  qbl::LinearGemm<T> gemm(d, d, tokens, tuned);
+  qbl::GemmPlan<T> gemm(qbl::GemmSpec::linear_forward(d, d), tokens, tuned);
   DeviceBuffer gemm_ws(gemm.workspace_bytes());
   BareGemm<T> bare(d, d, tokens, w.as<T>(), bias.as<T>(),
                    qbl::gemm_traits<T>::compute_type(options));
@@ -252,12 +256,11 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     }
     return execs;
   };
-  std::vector<cudaGraphExec_t> graphs, graphs_1pass;
+  std::vector<cudaGraphExec_t> graphs;
   if (args.graph) {
     const std::size_t g_count = std::min<std::size_t>(sets, max_graph_sets);
     row.graph_sets = static_cast<int>(g_count);
     graphs = capture_forwards(layer, g_count);
-    graphs_1pass = capture_forwards(layer_1pass, std::min<std::size_t>(g_count, 256));
     // The replay of set 0 must reproduce the direct forward bit for bit.
     CUDA_CHECK(cudaGraphLaunch(graphs[0], stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -279,19 +282,6 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     CUDA_CHECK(cudaGraphDestroy(g));
     CUDA_CHECK(cudaGraphUpload(bare_graph, stream));
   }
-  // The one-pass forward must give the default (two-pass) forward's bits.
-  layer_1pass.forward(inputs.x_of(0), inputs.logits_of(0), w.as<T>(), bias.as<T>(),
-                      out_scratch.as<T>(), tokens, stream);
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  {
-    std::vector<T> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n));
-    CUDA_CHECK(cudaMemcpy(a.data(), layer.device_mixed(), x_bytes, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(b.data(), layer_1pass.device_mixed(), x_bytes, cudaMemcpyDeviceToHost));
-    row.one_pass_bit_equal = std::memcmp(a.data(), b.data(), x_bytes) == 0;
-    std::printf("  %-4s one-pass forward's mixed bit-equal to the default forward's: %s\n", dt,
-                row.one_pass_bit_equal ? "yes" : "no");
-  }
-
   // ---- the training items (bench_train.cuh): the layer built for training, checked, graphs ----
   std::unique_ptr<TrainBench<T>> train;
   if (args.train) {
@@ -323,8 +313,8 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
   };
   item(bare_gemm_item, [&](int) { bare.run(mixed_ready.as<T>(), out_scratch.as<T>(), stream); });
   item(gemm_item, [&](int) {
-    CUBLAS_CHECK(gemm.run(mixed_ready.as<T>(), w.as<T>(), bias.as<T>(), out_scratch.as<T>(), tokens,
-                          gemm_ws.as<void>(), stream));
+    gemm.run(w.as<T>(), mixed_ready.as<T>(), out_scratch.as<T>(), bias.as<T>(), tokens, 0.0f,
+             gemm_ws.as<void>(), stream);
   });
   item(amax_item, [&](int i) {
     CUDA_CHECK(qbl::amax(inputs.x_of(static_cast<std::size_t>(i)), n, amax_scratch, stream));
@@ -337,7 +327,8 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
   item(fused_prologue_item, [&](int i) {
     const auto k = static_cast<std::size_t>(i);
     CUDA_CHECK(qbl::amax_quant_blend(inputs.x_of(k), inputs.logits_of(k), mixed_scratch.as<T>(),
-                                     tokens, d, amax_scratch, scale_scratch, stream));
+                                     tokens, d, amax_scratch, scale_scratch, prologue_ws.as<void>(),
+                                     stream));
   });
   item(forward_item, [&](int i) {
     const auto k = static_cast<std::size_t>(i);
@@ -354,27 +345,18 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     chain.run(inputs.x_of(k), inputs.logits_of(k), out_chain.as<T>(), stream);
   });
   const std::size_t first_extra = runs.size();
-  runs.push_back([&](int i) {
-    const auto k = static_cast<std::size_t>(i);
-    layer_1pass.forward(inputs.x_of(k), inputs.logits_of(k), w.as<T>(), bias.as<T>(),
-                        out_scratch.as<T>(), tokens, stream);
-  });
   if (bare_graph != nullptr) {
     runs.push_back([&](int) { CUDA_CHECK(cudaGraphLaunch(bare_graph, stream)); });
-    runs.push_back([&](int i) {
-      CUDA_CHECK(
-          cudaGraphLaunch(graphs_1pass[static_cast<std::size_t>(i) % graphs_1pass.size()], stream));
-    });
   }
   if (train) train->add_items(runs);  // train, [train_graph], bare_dgrad, bare_wgrad
-  // --gemm-probe: the bare GEMM planned as qbl::LinearGemm plans it, one difference at a time, and
+  // --gemm-probe: the bare GEMM planned as qbl::GemmPlan plans it, one difference at a time, and
   // the layer's own first-ranked GEMM, on the same operands and timed with the rest.
   const std::size_t first_probe = runs.size();
   const BareQuery probes[] = {
       {4, true, false}, {1, false, false}, {1, true, true}, {4, false, true}};
   std::vector<std::unique_ptr<BareGemm<T>>> variants;
-  DeviceBuffer plain_ws(args.gemm_probe ? layer.gemm().workspace_bytes() : 0);
-  std::unique_ptr<qbl::LinearGemm<T>> plain;
+  DeviceBuffer plain_ws(args.gemm_probe ? layer.forward_plan().gemm().workspace_bytes() : 0);
+  std::unique_ptr<qbl::GemmPlan<T>> plain;
   if (args.gemm_probe) {
     const cublasComputeType_t compute = qbl::gemm_traits<T>::compute_type(options);
     for (const BareQuery& q : probes) {
@@ -383,10 +365,11 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
       BareGemm<T>* v = variants.back().get();
       runs.push_back([&, v](int) { v->run(mixed_ready.as<T>(), out_scratch.as<T>(), stream); });
     }
-    plain = std::make_unique<qbl::LinearGemm<T>>(d, d, tokens, options);
+    plain =
+        std::make_unique<qbl::GemmPlan<T>>(qbl::GemmSpec::linear_forward(d, d), tokens, options);
     runs.push_back([&](int) {
-      CUBLAS_CHECK(plain->run(mixed_ready.as<T>(), w.as<T>(), bias.as<T>(), out_scratch.as<T>(),
-                              tokens, plain_ws.as<void>(), stream));
+      plain->run(w.as<T>(), mixed_ready.as<T>(), out_scratch.as<T>(), bias.as<T>(), tokens, 0.0f,
+                 plain_ws.as<void>(), stream);
     });
   }
   const std::vector<Timing> timed = timer.measure_together(runs);
@@ -394,14 +377,9 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
     row.t[ids[k]] = timed[k];
     report(dt, ids[k], timed[k]);
   }
-  row.fwd_1pass = timed[first_extra];
   if (bare_graph != nullptr) {
-    row.bare_graph = timed[first_extra + 1];
-    row.graph_1pass = timed[first_extra + 2];
-    std::printf("  %-4s fwd_1pass %.4f ms, bare_graph %.4f ms, graph_1pass %.4f ms\n", dt,
-                row.fwd_1pass.median_ms, row.bare_graph.median_ms, row.graph_1pass.median_ms);
-  } else {
-    std::printf("  %-4s fwd_1pass %.4f ms\n", dt, row.fwd_1pass.median_ms);
+    row.bare_graph = timed[first_extra];
+    std::printf("  %-4s bare_graph %.4f ms\n", dt, row.bare_graph.median_ms);
   }
   if (train) train->collect(timed, dt, row.train);
   if (args.gemm_probe) {
@@ -411,13 +389,12 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
       std::printf("  %-4s probe bare %-20s %.4f ms  %s\n", dt, probes[v].name().c_str(),
                   timed[first_probe + v].median_ms, variants[v]->describe_all().c_str());
     }
-    std::printf("  %-4s probe LinearGemm, default options %.4f ms  %s\n", dt,
-                timed.back().median_ms, plain->describe(tokens, true).c_str());
+    std::printf("  %-4s probe GemmPlan, default options %.4f ms  %s\n", dt, timed.back().median_ms,
+                plain->describe(tokens, true).c_str());
   }
 
   CUDA_CHECK(cudaStreamSynchronize(stream));
   for (cudaGraphExec_t g : graphs) CUDA_CHECK(cudaGraphExecDestroy(g));  // before `layer` goes
-  for (cudaGraphExec_t g : graphs_1pass) CUDA_CHECK(cudaGraphExecDestroy(g));
   if (bare_graph != nullptr) CUDA_CHECK(cudaGraphExecDestroy(bare_graph));
   std::printf(
       "  %-4s copy %.0f GB/s, floor %.4f ms, forward/floor %.3f, eager/forward %.2f; device memory "
@@ -426,9 +403,10 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
       g_allocated_bytes / (1024.0 * 1048576.0));
   if (row.train.timed()) {
     std::printf(
-        "  %-4s train floor %.4f ms (floor + bare_dgrad + bare_wgrad%s + 3 x tokens x D x E B at "
-        "copy), train/floor %.3f%s\n",
-        dt, row.train_floor_ms(), row.train.bgradb ? "" : " WITHOUT BGRADB",
+        "  %-4s train floor %.4f ms (floor + bare_dgrad + the faster of bare_wgrad with BGRADB%s "
+        "and bare_wgrad_plain + one read of grad_out, + 3 x tokens x D x E B at copy), "
+        "train/floor %.3f%s\n",
+        dt, row.train_floor_ms(), row.train.bgradb ? "" : " (none offered)",
         row.train_over_floor(train_item),
         row.train.t[train_graph_item].valid()
             ? (", train_graph/floor " + fmt("%.3f", row.train_over_floor(train_graph_item))).c_str()

@@ -4,7 +4,7 @@
 #pragma once
 
 #include <qbl/detail/handles.hpp>
-#include <qbl/gemm.hpp>
+#include <qbl/gemm.cuh>
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
@@ -30,7 +30,7 @@ constexpr std::size_t gemm_workspace_bytes = 32 * mib;  // Hopper's recommended 
 // Default preferences besides the workspace (cuBLASLt then assumes 256-byte-aligned pointers,
 // which every cudaMalloc buffer here is) and the first heuristic result, as a straightforward
 // user of cuBLASLt would do it. For 16-bit T the bias is in T and split-K partials may only be
-// reduced in fp32 (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE): qbl::LinearGemm holds itself to that
+// reduced in fp32 (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE): qbl::GemmPlan holds itself to that
 // rule, and a floor allowed to sum partials in bf16 could pick algorithms qbl may not.
 
 // cuBLASLt objects owned through the library's RAII types (qbl/detail/handles.hpp), so that no

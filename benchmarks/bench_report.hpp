@@ -81,9 +81,9 @@ inline void write_csv(const std::string& path, const GpuInfo& gpu, const std::ve
                "train_grad_x_rel_diff,train_grad_weight_rel_diff,train_grad_bias_rel_diff,"
                "train_graph_bit_equal,bare_dgrad_algo,bare_wgrad_algo");
   std::fprintf(f,
-               ",fwd_1pass_ms,fwd_1pass_min_ms,fwd_1pass_runs,fwd_1pass_over_floor,"
-               "one_pass_bit_equal,bare_graph_ms,bare_graph_min_ms,bare_graph_runs,"
-               "graph_over_bare_graph,graph_1pass_ms,graph_1pass_min_ms,graph_1pass_runs\n");
+               ",overlaps,bias_from_epilogue,variants_bit_equal,bwd_elementwise_over_copy,"
+               "column_sum_over_copy,bare_graph_ms,bare_graph_min_ms,bare_graph_runs,"
+               "graph_over_bare_graph\n");
   for (const Row& r : rows) {
     std::fprintf(f, "\"%s\",%d,%d,%s,%s,%" PRId64 ",%" PRId64 ",%" PRId64 ",%s,%" PRId64 ",%d,%d",
                  gpu.name.c_str(), gpu.sms, gpu.l2_bytes, version_string(gpu.driver).c_str(),
@@ -127,23 +127,21 @@ inline void write_csv(const std::string& path, const GpuInfo& gpu, const std::ve
     } else {
       std::fprintf(f, ",,,,,,,,,,,,,,");  // the 14 columns after the items' times
     }
-    for (const Timing* t : {&r.fwd_1pass, &r.bare_graph}) {
-      if (t->valid()) {
-        std::fprintf(f, ",%.6g,%.6g,%d", t->median_ms, t->min_ms, t->runs);
-      } else {
-        std::fprintf(f, ",,,");
-      }
-      if (t == &r.fwd_1pass)
-        std::fprintf(f, ",%s,%d", fmt("%.6g", r.fwd_1pass_over_floor()).c_str(),
-                     r.one_pass_bit_equal);
-    }
-    std::fprintf(f, ",%s", fmt("%.6g", r.graph_over_bare_graph()).c_str());
-    if (r.graph_1pass.valid()) {
-      std::fprintf(f, ",%.6g,%.6g,%d\n", r.graph_1pass.median_ms, r.graph_1pass.min_ms,
-                   r.graph_1pass.runs);
+    if (tr.timed()) {
+      std::fprintf(f, ",%d,%d,%s,%s,%s", tr.overlaps, tr.bias_from_epilogue,
+                   tr.variants_bit_equal < 0 ? "" : std::to_string(tr.variants_bit_equal).c_str(),
+                   fmt("%.6g", r.bwd_elementwise_over_copy()).c_str(),
+                   fmt("%.6g", r.column_sum_over_copy()).c_str());
     } else {
-      std::fprintf(f, ",,,\n");
+      std::fprintf(f, ",,,,,");
     }
+    if (r.bare_graph.valid()) {
+      std::fprintf(f, ",%.6g,%.6g,%d", r.bare_graph.median_ms, r.bare_graph.min_ms,
+                   r.bare_graph.runs);
+    } else {
+      std::fprintf(f, ",,,");
+    }
+    std::fprintf(f, ",%s\n", fmt("%.6g", r.graph_over_bare_graph()).c_str());
   }
   std::fclose(f);
   std::printf("wrote %s\n", path.c_str());
@@ -173,11 +171,8 @@ const Column columns[] = {
     {"copy GB/s", [](const Row& r) { return fmt("%.0f", r.copy_gbps()); }},
     {"floor ms", [](const Row& r) { return fmt("%.4f", r.floor_ms()); }},
     {"fwd/floor", [](const Row& r) { return fmt("%.3f", r.over_floor(forward_item)); }},
-    {"1pass ms", [](const Row& r) { return fmt("%.4f", r.fwd_1pass.median_ms); }},
-    {"1pass/floor", [](const Row& r) { return fmt("%.3f", r.fwd_1pass_over_floor()); }},
     {"bgraph ms", [](const Row& r) { return fmt("%.4f", r.bare_graph.median_ms); }},
     {"graph/bgraph", [](const Row& r) { return fmt("%.3f", r.graph_over_bare_graph()); }},
-    {"g1pass ms", [](const Row& r) { return fmt("%.4f", r.graph_1pass.median_ms); }},
     {"prol GB/s", [](const Row& r) { return fmt("%.0f", r.prologue_gbps()); }},
     {"prol/copy", [](const Row& r) { return fmt("%.3f", r.prologue_gbps() / r.copy_gbps()); }},
     {"amax GB/s", [](const Row& r) { return fmt("%.0f", r.amax_gbps()); }},
@@ -193,6 +188,21 @@ const Column columns[] = {
     {"tfloor ms", [](const Row& r) { return fmt("%.4f", r.train_floor_ms()); }, true},
     {"train/floor", [](const Row& r) { return fmt("%.3f", r.train_over_floor(train_item)); }, true},
     {"tgraph/floor", [](const Row& r) { return fmt("%.3f", r.train_over_floor(train_graph_item)); },
+     true},
+    {"overlap ms", [](const Row& r) { return fmt("%.4f", r.train.ms(train_overlap_item)); }, true},
+    {"serial ms", [](const Row& r) { return fmt("%.4f", r.train.ms(train_serial_item)); }, true},
+    {"bgradb ms", [](const Row& r) { return fmt("%.4f", r.train.ms(train_bgradb_item)); }, true},
+    {"plan",
+     [](const Row& r) {
+       return std::string(r.train.overlaps ? "beside" : "after") +
+              (r.train.bias_from_epilogue ? "+bgradb" : "+colsum");
+     },
+     true},
+    {"elem ms", [](const Row& r) { return fmt("%.4f", r.train.ms(bwd_elementwise_item)); }, true},
+    {"elem/copy", [](const Row& r) { return fmt("%.2f", r.bwd_elementwise_over_copy()); }, true},
+    {"colsum ms", [](const Row& r) { return fmt("%.4f", r.train.ms(column_sum_item)); }, true},
+    {"colsum/copy", [](const Row& r) { return fmt("%.2f", r.column_sum_over_copy()); }, true},
+    {"wplain ms", [](const Row& r) { return fmt("%.4f", r.train.ms(bare_wgrad_plain_item)); },
      true},
 };
 constexpr int column_count = static_cast<int>(sizeof columns / sizeof columns[0]);
@@ -278,9 +288,13 @@ inline void write_md(const std::string& path, const GpuInfo& gpu, const Args& ar
         "train = one forward into caller buffers + one backward computing grad_x, "
         "grad_logits, grad_weight and grad_bias (QuantBlendLinear built with "
         "Options::backward), x and logits rotating, grad_out fixed; tgraph = the same "
-        "replayed from a CUDA graph. dgrad / wgrad = bare cuBLASLt NN g*W and NT g^T*mixed "
-        "(+ BGRADB bias gradient). tfloor = floor + dgrad + wgrad + 3*tokens*D*E B at copy "
-        "bandwidth (read g_mixed and x, write grad_x).\n\n");
+        "replayed from a CUDA graph; overlap / serial / bgradb = train with wgrad forced "
+        "beside / after dgrad, or grad_bias forced to the BGRADB epilogue; plan = what the "
+        "backward plan chose for the shape. dgrad / wgrad / wplain = bare cuBLASLt NN g*W and "
+        "NT g^T*mixed with / without the BGRADB bias gradient. elem = the backward's element "
+        "kernel, over 3*tokens*D*E B at copy bandwidth; colsum = qbl's bias gradient, over "
+        "tokens*D*E B. tfloor = floor + dgrad + min(wgrad, wplain + tokens*D*E B) + "
+        "3*tokens*D*E B at copy bandwidth (read g_mixed and x, write grad_x).\n\n");
   }
   const std::vector<int> shown = shown_columns(rows);
   for (int c : shown) std::fprintf(f, "| %s ", columns[c].header);

@@ -5,11 +5,14 @@
 // Derived numbers: floor_ms = bare_gemm_ms + 2 * tokens * D * sizeof(T) B / copy bandwidth (read x
 // once, write mixed once, at copy speed); prologue GB/s = 3 * tokens * D * sizeof(T) B /
 // (amax_ms + quant_blend_ms) (amax reads x; quant_blend reads x and writes mixed); GEMM TFLOP/s =
-// 2 * tokens * D^2 / bare_gemm_ms; train_floor_ms = floor_ms + bare_dgrad_ms + bare_wgrad_ms +
-// 3 * tokens * D * sizeof(T) B / copy bandwidth (the backward's elementwise stage reads g_mixed and
-// x and writes grad_x). The training items' CSV columns follow all the earlier ones.
+// 2 * tokens * D^2 / bare_gemm_ms; train_floor_ms = floor_ms + bare_dgrad_ms + min(bare_wgrad_ms
+// (with BGRADB), bare_wgrad_plain_ms + tokens * D * sizeof(T) B / copy bandwidth (one read of
+// grad_out for the bias gradient)) + 3 * tokens * D * sizeof(T) B / copy bandwidth (the backward's
+// elementwise stage reads g_mixed and x and writes grad_x). The training items' CSV columns follow
+// all the earlier ones.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -41,9 +44,22 @@ const char* const item_names[item_count] = {"forward",     "graph",          "am
 
 // ---- the training items' part (bench_train.cuh) -------------------------------------------------
 
-enum TrainItem { train_item, train_graph_item, bare_dgrad_item, bare_wgrad_item, train_item_count };
-const char* const train_item_names[train_item_count] = {"train", "train_graph", "bare_dgrad",
-                                                        "bare_wgrad"};
+enum TrainItem {
+  train_item,
+  train_graph_item,
+  bare_dgrad_item,
+  bare_wgrad_item,
+  train_overlap_item,
+  train_serial_item,
+  train_bgradb_item,
+  bwd_elementwise_item,
+  column_sum_item,
+  bare_wgrad_plain_item,
+  train_item_count
+};
+const char* const train_item_names[train_item_count] = {
+    "train",        "train_graph",  "bare_dgrad",      "bare_wgrad", "train_overlap",
+    "train_serial", "train_bgradb", "bwd_elementwise", "column_sum", "bare_wgrad_plain"};
 
 // What the training items measured and checked for one shape and dtype.
 struct TrainRow {
@@ -55,14 +71,17 @@ struct TrainRow {
   std::int64_t unwritten = -1, nonfinite = -1;  // elements of out and the four gradients
   int graph_bit_equal = -1;                     // -1: no graph
   std::string dgrad_algo, wgrad_algo;
-  std::string skipped;  // why the items did not run when they were asked for
+  bool overlaps = false, bias_from_epilogue = false;  // the backward plan's choices for the shape
+  int variants_bit_equal = -1;  // train_overlap and train_serial gave train's gradients bit for bit
+  std::string skipped;          // why the items did not run when they were asked for
 
   bool timed() const { return t[train_item].valid(); }
   double ms(TrainItem i) const { return t[i].median_ms; }
   bool check_ok() const {
     auto within = [&](double v) { return v <= tolerance; };  // false for NaN
     return unwritten == 0 && nonfinite == 0 && mixed_bit_equal && within(grad_x_rel_diff) &&
-           within(grad_weight_rel_diff) && within(grad_bias_rel_diff) && graph_bit_equal != 0;
+           within(grad_weight_rel_diff) && within(grad_bias_rel_diff) && graph_bit_equal != 0 &&
+           variants_bit_equal != 0;
   }
 };
 
@@ -81,11 +100,8 @@ struct Row {
   int graph_bit_equal = -1;  // -1: no graph
   std::string bare_algo;
   TrainRow train;  // the training items (bench_train.cuh); untimed with --no-train
-  // Timed with the rest; their CSV columns come after the training items'.
-  Timing fwd_1pass;    // the forward with Options::one_pass on
-  Timing bare_graph;   // the bare GEMM replayed from a graph
-  Timing graph_1pass;  // the one-pass forward replayed from graphs
-  bool one_pass_bit_equal = false;
+  // Timed with the rest; its CSV columns come after the training items'.
+  Timing bare_graph;  // the bare GEMM replayed from a graph
 
   double n() const { return static_cast<double>(tokens) * static_cast<double>(shape.d); }
   double ms(Item i) const { return t[i].median_ms; }
@@ -94,20 +110,33 @@ struct Row {
     return ms(bare_gemm_item) + 2.0 * n() * elem_bytes / (copy_gbps() * 1e9) * 1e3;
   }
   double over_floor(Item i) const { return t[i].valid() ? ms(i) / floor_ms() : NAN; }
-  double fwd_1pass_over_floor() const {
-    return fwd_1pass.valid() ? fwd_1pass.median_ms / floor_ms() : NAN;
-  }
   // Launch-bound shapes: the forward's graph replay over the bare GEMM's.
   double graph_over_bare_graph() const {
     return t[graph_item].valid() && bare_graph.valid() ? ms(graph_item) / bare_graph.median_ms
                                                        : NAN;
   }
-  // The forward's floor + bare dgrad + bare wgrad (with BGRADB) + reading g_mixed and x and
+  double copy_ms(double elements) const {
+    return elements * elem_bytes / (copy_gbps() * 1e9) * 1e3;
+  }
+  // The forward's floor + bare dgrad + the faster way to the weight and bias gradients (bare
+  // wgrad with BGRADB, or without it plus one read of grad_out) + reading g_mixed and x and
   // writing grad_x once at copy bandwidth.
   double train_floor_ms() const {
     if (!train.timed()) return NAN;
-    return floor_ms() + train.ms(bare_dgrad_item) + train.ms(bare_wgrad_item) +
-           3.0 * n() * elem_bytes / (copy_gbps() * 1e9) * 1e3;
+    double wgrad = train.ms(bare_wgrad_item);
+    if (train.t[bare_wgrad_plain_item].valid())
+      wgrad = std::min(wgrad, train.ms(bare_wgrad_plain_item) + copy_ms(n()));
+    return floor_ms() + train.ms(bare_dgrad_item) + wgrad + copy_ms(3.0 * n());
+  }
+  // The backward's element kernel over its reads (g_mixed, x) and write (grad_x) at copy speed.
+  double bwd_elementwise_over_copy() const {
+    return train.t[bwd_elementwise_item].valid()
+               ? train.ms(bwd_elementwise_item) / copy_ms(3.0 * n())
+               : NAN;
+  }
+  // The column sum over one read of grad_out at copy speed.
+  double column_sum_over_copy() const {
+    return train.t[column_sum_item].valid() ? train.ms(column_sum_item) / copy_ms(n()) : NAN;
   }
   double train_over_floor(TrainItem i) const {
     return train.t[i].valid() ? train.ms(i) / train_floor_ms() : NAN;

@@ -7,18 +7,27 @@
 //   train        one forward writing caller-provided `mixed` and `stats` buffers, as a framework
 //                keeps them per call, then one backward computing all four gradients (x, logits,
 //                weight, bias; accumulate = false, QuantGrad::zero), on one QuantBlendLinear<T>
-//                built with Options::backward (and allow_tf32 for tf32). x and logits rotate over
-//                the forward's input sets. grad_out is ONE fixed random tensor: in training it is
-//                consumed right after the next layer's backward produced it, so it need not come
-//                cold from HBM. mixed/stats are one fixed pair, written by the run's own forward.
+//                built with Options::backward (and allow_tf32 for tf32), the backward plan making
+//                its own choices for the shape. x and logits rotate over the forward's input
+//                sets. grad_out is ONE fixed random tensor: in training it is consumed right after
+//                the next layer's backward produced it, so it need not come cold from HBM.
+//                mixed/stats are one fixed pair, written by the run's own forward.
+//   train_overlap, train_serial, train_bgradb
+//                the same on layers whose backward plans are forced: wgrad beside dgrad on the
+//                second stream, wgrad after dgrad on one stream, grad_bias from the BGRADB
+//                epilogue -- the measurements the plan's rules are held to
 //   train_graph  the same forward + backward captured into a CUDA graph per input set and
 //                replayed (launch-bound shapes only, as the forward's `graph`)
+//   bwd_elementwise
+//                qbl::quant_blend_backward alone: grad_x and grad_logits from bare_dgrad's g_mixed
+//   column_sum   qbl::bias_grad alone, with its workspace: grad_bias from grad_out
 //   bare_dgrad   cuBLASLt NN: g_mixed[t, i] = sum_o g[t, o] W[o, i]; A, B, D in T, fp32 compute
 //                and scale (TF32 compute for tf32), no epilogue
 //   bare_wgrad   cuBLASLt NT: grad_W[o, i] = sum_t g[t, o] mixed[t, i], with
 //                CUBLASLT_EPILOGUE_BGRADB writing grad_bias[o] = sum_t g[t, o] (in T for 16-bit).
 //                If cuBLASLt offers no BGRADB algorithm for the dtype, the same product without
 //                epilogue is timed instead and the run says so ("bgradb 0" in the CSV).
+//   bare_wgrad_plain  the same product without the epilogue
 // Both bare products are set up as the forward's bare GEMM: default preferences besides the 32 MiB
 // workspace (and split-K partials reduced in fp32 only for 16-bit T), cuBLASLt's first heuristic
 // result, operands from cudaMalloc (256-byte aligned), g and W never rotating.
@@ -34,7 +43,9 @@
 // grad_bias are compared with bare_wgrad's outputs on the same operands (grad_bias with a host
 // fp64 sum of grad_out when there is no BGRADB), and grad_x with qbl::grad_x_value applied on the
 // host to bare_dgrad's g_mixed (alpha from the host's expf, which may differ from the device's in
-// the last place) -- each as max|diff| / max|ref|. The check reports; it does not stop the run.
+// the last place) -- each as max|diff| / max|ref|. The forced variants' grad_x, grad_logits and
+// grad_weight must equal train's bit for bit (where wgrad runs does not change a bit). The check
+// reports; it does not stop the run.
 #pragma once
 
 #include <qbl/qbl.cuh>
@@ -106,7 +117,8 @@ class TrainBench {
  public:
   TrainBench(std::int64_t tokens, std::int64_t d, const T* w, const T* bias, InputSets<T> inputs,
              bool tf32, int sms, cudaStream_t stream)
-      : tokens_(tokens),
+      : tf32_(tf32),
+        tokens_(tokens),
         d_(d),
         n_(tokens * d),
         w_(w),
@@ -114,10 +126,14 @@ class TrainBench {
         inputs_(inputs),
         stream_(stream),
         layer_(d, d, tokens, training_options(tf32)),
+        overlap_(d, d, tokens, training_options(tf32, qbl::Choice::yes)),
+        serial_(d, d, tokens, training_options(tf32, qbl::Choice::no)),
+        bgradb_layer_(d, d, tokens,
+                      training_options(tf32, qbl::Choice::by_shape, qbl::Choice::yes)),
         g_(bytes(n_)),
         out_(bytes(n_)),
         mixed_(bytes(n_)),
-        stats_(qbl::QuantBlendLinear<T>::stats_floats * sizeof(float)),
+        stats_(qbl::stats_floats * sizeof(float)),
         grad_x_(bytes(n_)),
         grad_logits_(bytes(tokens)),
         grad_w_(bytes(d * d)),
@@ -125,7 +141,13 @@ class TrainBench {
         ref_g_mixed_(bytes(n_)),
         ref_grad_w_(bytes(d * d)),
         ref_grad_b_(bytes(d)),
-        dgrad_(dgrad_spec(d, d, tokens), nullptr, compute_type(tf32)) {
+        scratch_x_(bytes(n_)),
+        scratch_logits_(bytes(tokens)),
+        scratch_b_(bytes(d)),
+        column_ws_(qbl::bias_grad_workspace_bytes(d)),
+        dgrad_(dgrad_spec(d, d, tokens), nullptr, compute_type(tf32)),
+        wgrad_plain_(wgrad_spec(d, d, tokens, CUBLASLT_EPILOGUE_DEFAULT), nullptr,
+                     compute_type(tf32)) {
     if (!dgrad_.found()) {
       die("bare_dgrad", "cuBLASLt offers no algorithm for the NN product", __FILE__, __LINE__);
     }
@@ -139,12 +161,6 @@ class TrainBench {
         die("bare_wgrad", "cuBLASLt offers no algorithm for the NT product", __FILE__, __LINE__);
       }
     }
-    grads_.x = grad_x_.as<T>();
-    grads_.logits = grad_logits_.as<T>();
-    grads_.weight = grad_w_.as<T>();
-    grads_.bias = grad_b_.as<T>();
-    grads_.accumulate = false;
-    grads_.quant_grad = qbl::QuantGrad::zero;
     fill_randn(g_.as<T>(), n_, 6, 1.0f, sms, stream_);
     CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
@@ -161,12 +177,21 @@ class TrainBench {
     row.bgradb = bgradb_;
     row.dgrad_algo = dgrad_.describe();
     row.wgrad_algo = wgrad_->describe();
-    row.tolerance = std::is_same_v<T, float> && !layer_.options().allow_tf32 ? 1e-4 : 1e-2;
+    row.tolerance = std::is_same_v<T, float> && !tf32_ ? 1e-4 : 1e-2;
+    row.overlaps = layer_.backward_plan()->overlaps(tokens_);
+    row.bias_from_epilogue = layer_.backward_plan()->bias_from_epilogue();
     for (const DeviceBuffer* b : {&out_, &mixed_, &grad_x_, &grad_logits_, &grad_w_, &grad_b_,
                                   &ref_g_mixed_, &ref_grad_w_, &ref_grad_b_}) {
       CUDA_CHECK(cudaMemsetAsync(b->as<void>(), 0xff, b->bytes(), stream_));
     }
-    step(0);
+    // The forced variants first: where wgrad runs changes no bit of the gradients.
+    std::vector<unsigned char> variant_bytes[2];
+    for (int v = 0; v < 2; ++v) {
+      step(v == 0 ? overlap_ : serial_, 0);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      variant_bytes[v] = gradient_bytes();
+    }
+    step(layer_, 0);
     dgrad_.run(w_, g_.as<T>(), ref_g_mixed_.as<T>(), stream_);
     wgrad_->run(mixed_.as<T>(), g_.as<T>(), ref_grad_w_.as<T>(), stream_);
     CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -197,23 +222,38 @@ class TrainBench {
       count_bad(grad_x, row.unwritten, row.nonfinite);
       row.grad_x_rel_diff = max_rel_diff(grad_x, host_grad_x());
     }
+    const std::vector<unsigned char> mine = gradient_bytes();
+    row.variants_bit_equal = variant_bytes[0] == mine && variant_bytes[1] == mine;
     std::printf("  %-4s train check: %" PRId64 " output elements unwritten, %" PRId64
                 " non-finite; mixed bit-equal to the forward's: %s; max rel diff (max|diff| / "
-                "max|ref|) grad_x %.3g, grad_weight %.3g, grad_bias %.3g (tolerance %.0e): %s\n",
+                "max|ref|) grad_x %.3g, grad_weight %.3g, grad_bias %.3g (tolerance %.0e); wgrad "
+                "beside and after dgrad bit-equal: %s: %s\n",
                 dt, row.unwritten, row.nonfinite, row.mixed_bit_equal ? "yes" : "no",
                 row.grad_x_rel_diff, row.grad_weight_rel_diff, row.grad_bias_rel_diff,
-                row.tolerance, row.check_ok() ? "ok" : "CHECK FAILED");
-    // What the layer itself runs: cuBLASLt (and which algorithm) or its fallback kernel.
-    const qbl::GemmPlan<T>& dp = *layer_.dgrad_plan();
-    const qbl::GemmPlan<T>& wp = *layer_.wgrad_plan();
-    const bool d_lt = dp.supports(w_, g_.as<T>(), grad_x_.as<T>(), nullptr, tokens_);
+                row.tolerance, row.variants_bit_equal ? "yes" : "NO",
+                row.check_ok() ? "ok" : "CHECK FAILED");
+    // What the layer itself runs: cuBLASLt (and which algorithm) or its fallback kernel, and the
+    // backward plan's choices.
+    const qbl::BackwardPlan<T>& bp = *layer_.backward_plan();
+    const qbl::GemmPlan<T>& dp = bp.dgrad();
+    const qbl::GemmPlan<T>& wp = bp.wgrad();
+    const bool d_lt = dp.uses_cublaslt(w_, g_.as<T>(), grad_x_.as<T>(), nullptr, tokens_);
+    const T* bias_vec = bp.bias_from_epilogue() ? grad_b_.as<T>() : nullptr;
     const bool w_lt =
-        wp.supports(mixed_.as<T>(), g_.as<T>(), grad_w_.as<T>(), grad_b_.as<T>(), tokens_);
-    std::printf("  %-4s layer forward: %s (%s); dgrad: %s (%s); wgrad+BGRADB: %s (%s)\n", dt,
-                layer_.uses_cublaslt(w_, bias_, out_.as<T>(), tokens_) ? "cuBLASLt" : "FALLBACK",
-                layer_.gemm().describe(tokens_, bias_ != nullptr).c_str(),
-                d_lt ? "cuBLASLt" : "FALLBACK", dp.describe(tokens_, false).c_str(),
-                w_lt ? "cuBLASLt" : "FALLBACK", wp.describe(tokens_, true).c_str());
+        wp.uses_cublaslt(mixed_.as<T>(), g_.as<T>(), grad_w_.as<T>(), bias_vec, tokens_);
+    typename qbl::QuantBlendLinear<T>::ForwardArguments fa;
+    fa.weight = w_, fa.bias = bias_, fa.out = out_.as<T>(), fa.mixed = mixed_.as<T>();
+    fa.tokens = tokens_;
+    std::printf(
+        "  %-4s layer forward: %s (%s); dgrad: %s (%s); wgrad%s: %s (%s); wgrad %s dgrad, "
+        "grad_bias from %s\n",
+        dt, layer_.uses_cublaslt(fa) ? "cuBLASLt" : "FALLBACK",
+        layer_.forward_plan().gemm().describe(tokens_, bias_ != nullptr).c_str(),
+        d_lt ? "cuBLASLt" : "FALLBACK", dp.describe(tokens_, false).c_str(),
+        bias_vec ? "+BGRADB" : "", w_lt ? "cuBLASLt" : "FALLBACK",
+        wp.describe(tokens_, bias_vec != nullptr).c_str(),
+        bp.overlaps(tokens_) ? "beside" : "after",
+        bp.bias_from_epilogue() ? "the BGRADB epilogue" : "the column sum");
     std::printf("  %-4s bare dgrad algo: %s; bare wgrad algo: %s%s\n", dt, row.dgrad_algo.c_str(),
                 row.wgrad_algo.c_str(),
                 bgradb_
@@ -230,7 +270,7 @@ class TrainBench {
       cudaGraph_t g = nullptr;
       cudaGraphExec_t exec = nullptr;
       CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
-      step(k);
+      step(layer_, k);
       CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
       const cudaError_t st = cudaGraphInstantiate(&exec, g, 0);
       CUDA_CHECK(cudaGraphDestroy(g));
@@ -239,7 +279,7 @@ class TrainBench {
       CUDA_CHECK(cudaGraphUpload(exec, stream_));  // the first launch would otherwise pay for it
     }
     if (graphs_.empty()) return;
-    step(0);
+    step(layer_, 0);
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     const std::vector<unsigned char> direct = gradient_bytes();
     CUDA_CHECK(cudaGraphLaunch(graphs_[0], stream_));
@@ -251,23 +291,42 @@ class TrainBench {
         dt, graphs_.size(), row.graph_bit_equal ? "yes" : "no");
   }
 
-  // Appends the items to `runs` (train, train_graph if captured, bare_dgrad, bare_wgrad).
+  // Appends the items to `runs` (train, train_graph if captured, bare_dgrad, bare_wgrad, the
+  // forced variants, the backward's element kernel and column sum alone, bare_wgrad_plain).
   void add_items(std::vector<std::function<void(int)>>& runs) {
     first_ = runs.size();
     ids_.clear();
-    ids_.push_back(train_item);
-    runs.push_back([this](int i) { step(static_cast<std::size_t>(i)); });
+    auto add = [&](TrainItem id, std::function<void(int)> f) {
+      ids_.push_back(id);
+      runs.push_back(std::move(f));
+    };
+    add(train_item, [this](int i) { step(layer_, static_cast<std::size_t>(i)); });
     if (!graphs_.empty()) {
-      ids_.push_back(train_graph_item);
-      runs.push_back([this](int i) {
+      add(train_graph_item, [this](int i) {
         CUDA_CHECK(cudaGraphLaunch(graphs_[static_cast<std::size_t>(i) % graphs_.size()], stream_));
       });
     }
-    ids_.push_back(bare_dgrad_item);
-    runs.push_back([this](int) { dgrad_.run(w_, g_.as<T>(), ref_g_mixed_.as<T>(), stream_); });
-    ids_.push_back(bare_wgrad_item);
-    runs.push_back(
+    add(bare_dgrad_item,
+        [this](int) { dgrad_.run(w_, g_.as<T>(), ref_g_mixed_.as<T>(), stream_); });
+    add(bare_wgrad_item,
         [this](int) { wgrad_->run(mixed_.as<T>(), g_.as<T>(), ref_grad_w_.as<T>(), stream_); });
+    add(train_overlap_item, [this](int i) { step(overlap_, static_cast<std::size_t>(i)); });
+    add(train_serial_item, [this](int i) { step(serial_, static_cast<std::size_t>(i)); });
+    add(train_bgradb_item, [this](int i) { step(bgradb_layer_, static_cast<std::size_t>(i)); });
+    add(bwd_elementwise_item, [this](int) {
+      CUDA_CHECK(qbl::quant_blend_backward(
+          ref_g_mixed_.as<T>(), inputs_.x_of(0), inputs_.logits_of(0), stats_.as<float>() + 1,
+          scratch_x_.as<T>(), scratch_logits_.as<T>(), tokens_, d_, qbl::QuantGrad::zero, stream_));
+    });
+    add(column_sum_item, [this](int) {
+      CUDA_CHECK(qbl::bias_grad(g_.as<T>(), scratch_b_.as<T>(), tokens_, d_, false,
+                                column_ws_.as<void>(), stream_));
+    });
+    if (wgrad_plain_.found()) {
+      add(bare_wgrad_plain_item, [this](int) {
+        wgrad_plain_.run(mixed_.as<T>(), g_.as<T>(), ref_grad_w_.as<T>(), stream_);
+      });
+    }
   }
 
   // Takes this object's timings out of measure_together's result and reports them.
@@ -282,10 +341,13 @@ class TrainBench {
   static std::size_t bytes(std::int64_t elements) {
     return static_cast<std::size_t>(elements) * sizeof(T);
   }
-  static qbl::Options training_options(bool tf32) {
+  static qbl::Options training_options(bool tf32, qbl::Choice overlap = qbl::Choice::by_shape,
+                                       qbl::Choice bias = qbl::Choice::by_shape) {
     qbl::Options o;
     o.backward = true;
     o.allow_tf32 = tf32;
+    o.overlap_wgrad = overlap;
+    o.bias_from_epilogue = bias;
     return o;
   }
   static cublasComputeType_t compute_type(bool tf32) {
@@ -293,13 +355,18 @@ class TrainBench {
   }
 
   // The timed step: forward into the caller buffers, then the backward from them (input set k).
-  void step(std::size_t k) {
-    const T* x = inputs_.x_of(k);
-    const T* logits = inputs_.logits_of(k);
-    layer_.forward(x, logits, w_, bias_, out_.as<T>(), tokens_, mixed_.as<T>(), stats_.as<float>(),
-                   stream_);
-    layer_.backward(g_.as<T>(), x, logits, w_, mixed_.as<T>(), stats_.as<float>(), tokens_, grads_,
-                    stream_);
+  void step(qbl::QuantBlendLinear<T>& layer, std::size_t k) {
+    typename qbl::QuantBlendLinear<T>::ForwardArguments f;
+    f.x = inputs_.x_of(k), f.logits = inputs_.logits_of(k), f.weight = w_, f.bias = bias_;
+    f.out = out_.as<T>(), f.mixed = mixed_.as<T>(), f.stats = stats_.as<float>();
+    f.tokens = tokens_;
+    layer.forward(f, stream_);
+    typename qbl::QuantBlendLinear<T>::BackwardArguments b;
+    b.grad_out = g_.as<T>(), b.x = f.x, b.logits = f.logits, b.weight = w_;
+    b.mixed = mixed_.as<T>(), b.stats = stats_.as<float>(), b.tokens = tokens_;
+    b.grad_x = grad_x_.as<T>(), b.grad_logits = grad_logits_.as<T>();
+    b.grad_weight = grad_w_.as<T>(), b.grad_bias = grad_b_.as<T>();
+    layer.backward(b, stream_);
   }
 
   // The four gradients' bytes, one after another.
@@ -343,19 +410,20 @@ class TrainBench {
     return r;
   }
 
+  bool tf32_;
   std::int64_t tokens_, d_, n_;
   const T* w_;
   const T* bias_;
   InputSets<T> inputs_;
   cudaStream_t stream_;
-  qbl::QuantBlendLinear<T> layer_;
+  qbl::QuantBlendLinear<T> layer_, overlap_, serial_, bgradb_layer_;
   DeviceBuffer g_, out_, mixed_, stats_;
   DeviceBuffer grad_x_, grad_logits_, grad_w_, grad_b_;
-  DeviceBuffer ref_g_mixed_, ref_grad_w_, ref_grad_b_;  // the bare products' outputs
-  BareProduct<T> dgrad_;
+  DeviceBuffer ref_g_mixed_, ref_grad_w_, ref_grad_b_;               // the bare products' outputs
+  DeviceBuffer scratch_x_, scratch_logits_, scratch_b_, column_ws_;  // the stages timed alone
+  BareProduct<T> dgrad_, wgrad_plain_;
   std::unique_ptr<BareProduct<T>> wgrad_;
   bool bgradb_ = false;
-  typename qbl::QuantBlendLinear<T>::Gradients grads_;
   std::vector<cudaGraphExec_t> graphs_;
   std::size_t first_ = 0;       // index of this object's first item in measure_together's list
   std::vector<TrainItem> ids_;  // its items, in order
