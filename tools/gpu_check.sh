@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Everything qbl runs on a GPU, in one go: build, the whole test suite, the sanitizers, the
-# PyTorch package (installed, then its pytest suite), the PyTorch timings, the sharded forward's
-# timings over several GPUs (where there are two or more) and the benchmark. Each stage writes its
+# property tests under 30 seeds, the PyTorch package (installed, then its pytest suite), the
+# PyTorch timings of one layer and of a model's training step, the sharded forward's timings over
+# several GPUs (where there are two or more) and the benchmark. Each stage writes its
 # log to LOGDIR and has a time limit, so that one slow stage cannot starve the others; the summary
 # at the end says what passed.
 #
-#   tools/gpu_check.sh [stage ...]   stages: build test sanitize package pytest compare sharded
-#                                    bench (default: all)
+#   tools/gpu_check.sh [stage ...]   stages: build test sanitize seeds package pytest compare
+#                                    train sharded bench (default: all)
 #
 # Environment: LOGDIR (default build-gpu/logs), BUILD (default build-gpu), JOBS (default nproc),
-# PYTHON (default python3), COMPARE_ARGS / BENCH_ARGS / PYTEST_ARGS (extra arguments), and
-# per-stage limits in seconds: TEST_S (900), SANITIZE_S (900), PACKAGE_S (600), PYTEST_S (900),
-# COMPARE_S (900), SHARDED_S (600), BENCH_S (900); SHARDED_ARGS for sharded_timing.py.
+# PYTHON (default python3), COMPARE_ARGS / TRAIN_ARGS / BENCH_ARGS / PYTEST_ARGS (extra
+# arguments), and per-stage limits in seconds: TEST_S (900), SANITIZE_S (900), SEEDS_S (900),
+# PACKAGE_S (600), PYTEST_S (900), COMPARE_S (900), TRAIN_S (900), SHARDED_S (600), BENCH_S (900);
+# SHARDED_ARGS for sharded_timing.py.
 # The test and sanitize stages run with QBL_REQUIRE_GPU=1: a GPU test fails, not skips, where no
 # GPU is usable, so a broken machine cannot report everything passed.
 set -uo pipefail
@@ -21,7 +23,7 @@ LOGDIR=${LOGDIR:-$BUILD/logs}
 JOBS=${JOBS:-$(nproc)}
 mkdir -p "$LOGDIR"
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(build test sanitize package pytest compare sharded bench)
+[ ${#stages[@]} -gt 0 ] || stages=(build test sanitize seeds package pytest compare train sharded bench)
 PYTHON=${PYTHON:-python3}
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
@@ -62,6 +64,15 @@ if has sanitize; then
   sed 's/^/   /' "$LOGDIR/sanitize.log"
 fi
 
+if has seeds; then
+  t=$(date +%s)
+  timeout "${SEEDS_S:-900}" tools/property_seeds.sh "$BUILD" >"$LOGDIR/seeds.log" 2>&1
+  rc=$?
+  cp "$BUILD"/property-seeds/*.log "$LOGDIR"/ 2>/dev/null
+  note "property seeds (rc $rc, $(secs $t) s): $(tail -n 1 "$LOGDIR/seeds.log")"
+  grep FAILED "$LOGDIR/seeds.log" | head -n 10
+fi
+
 if has package; then
   t=$(date +%s)
   if TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=$JOBS timeout "${PACKAGE_S:-600}" \
@@ -90,6 +101,16 @@ if has compare; then
   rc=$?
   note "compare.py ${COMPARE_ARGS:-} (rc $rc, $(secs $t) s): $(tail -n 1 "$LOGDIR/compare.log")"
   grep -E 'FAIL|Error|error' "$LOGDIR/compare.log" | head -n 30
+fi
+
+if has train; then
+  t=$(date +%s)
+  timeout "${TRAIN_S:-900}" "$PYTHON" examples/pytorch/train_qat.py --plot "$LOGDIR/train_qat_loss.png" \
+    --json "$LOGDIR/train_qat.json" ${TRAIN_ARGS:-} >"$LOGDIR/train.log" 2>"$LOGDIR/train.err"
+  rc=$?
+  note "train_qat.py ${TRAIN_ARGS:-} (rc $rc, $(secs $t) s): $(tail -n 1 "$LOGDIR/train.err")"
+  grep -E '^(##|\|)' "$LOGDIR/train.log" | head -n 60
+  [ "$rc" -eq 0 ] || tail -n 30 "$LOGDIR/train.err"
 fi
 
 if has sharded; then
