@@ -10,8 +10,8 @@ implementation can do and 1.10 is "within 10 % of it". The y axis turns logarith
 eager chain is far above the fused layer, so that both stay readable.
 
 --forward and --graph pick other columns for the forward and graph-replay bars (defaults
-forward_over_floor and graph_over_floor), e.g. the other prologue's fwd_2pass_over_floor; a column
-ending in _ms is divided by floor_ms.
+forward_over_floor and graph_over_floor), e.g. train_over_floor; a column ending in _ms is divided
+by floor_ms.
 """
 
 import argparse
