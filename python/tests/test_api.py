@@ -262,18 +262,19 @@ def test_model_new_is_trainable(model_new, dtype):
                       ref.out_proj.bias.detach(), g, dtype, False, what="ModelNew vs Model: ")
 
 
-def _cache_rows(n_in, n_out, dtype=torch.float32, backward=False, tf32=False):
+def _cache_rows(n_in, n_out, dtype=torch.float32, tf32=False):
     return [r for r in qbl.cache_info()
-            if (r["in_features"], r["out_features"], r["dtype"], r["backward"], r["tf32"])
-            == (n_in, n_out, dtype, backward, tf32)]
+            if (r["in_features"], r["out_features"], r["x_dtype"], r["tf32"])
+            == (n_in, n_out, dtype, tf32)]
 
 
 def test_cache_grows_in_powers_of_two_and_clears():
     n_in, n_out = 72, 24
     qbl.clear_cache()
     assert qbl.cache_info() == [], f"cache_info after clear_cache: {qbl.cache_info()}"
-    keys = {"device", "dtype", "in_features", "out_features", "tf32", "backward", "max_tokens",
-            "workspace_bytes"}
+    keys = {"device", "x_dtype", "gemm_dtype", "logits_dtype", "in_features", "out_features",
+            "tf32", "backward", "max_tokens", "forward_workspace_bytes",
+            "backward_workspace_bytes"}
     previous = 0
     for tokens in (3, 100, 10, 1000, 1000):
         x, l, w, b = H.make_inputs((tokens,), n_in, n_out, torch.float32, seed=tokens)
@@ -283,20 +284,27 @@ def test_cache_grows_in_powers_of_two_and_clears():
         assert len(rows) == 1, f"{tokens} tokens: expected one live layer for {n_in}->{n_out}: {rows}"
         row = rows[0]
         assert set(row) == keys, f"cache_info keys {sorted(row)}"
+        assert (row["gemm_dtype"], row["logits_dtype"]) == (torch.float32, torch.float32), row
         cap = row["max_tokens"]
         assert cap >= tokens and cap & (cap - 1) == 0, (
             f"{tokens} tokens: max_tokens {cap} is not a power of two >= {tokens}")
         assert cap >= previous, f"{tokens} tokens: capacity shrank from {previous} to {cap}"
         if tokens <= previous:
             assert cap == previous, f"{tokens} tokens: capacity changed from {previous} to {cap}"
-        assert row["workspace_bytes"] > 0 and row["device"] == torch.cuda.current_device(), row
+        assert not row["backward"] and row["backward_workspace_bytes"] == 0, (
+            f"{tokens} tokens: a backward plan exists before any training call: {row}")
+        assert row["forward_workspace_bytes"] > 0, row
+        assert row["device"] == torch.cuda.current_device(), row
         previous = cap
     g = H.make_grad_out((10, n_out), torch.float32)
     H.run_autograd(H.qbl_fn(), x[:10], l[:10], w, b, g)
-    rows = _cache_rows(n_in, n_out, backward=True)
-    assert len(rows) == 1 and rows[0]["max_tokens"] >= 10, f"training layer after backward: {rows}"
+    rows = _cache_rows(n_in, n_out)
+    assert len(rows) == 1 and rows[0]["backward"] and rows[0]["max_tokens"] == previous, (
+        f"training layer after backward: {rows}")
+    assert rows[0]["backward_workspace_bytes"] > 0, rows[0]
     torch.ops.qbl.forward(x.bfloat16(), l.bfloat16(), w.bfloat16(), b.bfloat16())
-    assert len(_cache_rows(n_in, n_out, dtype=torch.bfloat16)) == 1, "no bf16 layer cached"
+    rows = _cache_rows(n_in, n_out, dtype=torch.bfloat16)
+    assert len(rows) == 1 and rows[0]["gemm_dtype"] == torch.bfloat16, f"bf16 layer: {rows}"
     qbl.clear_cache()
     assert qbl.cache_info() == [], f"cache_info after clear_cache: {qbl.cache_info()}"
     _check_still_works(x, l, w, b, "clear_cache")

@@ -76,7 +76,7 @@ def test_tf32_gemm():
     err = H.rel_fro(out, ref)
     assert err <= 4e-3, f"out with TF32: relative Frobenius error {err:.3e} > 4e-3"
     rows = [r for r in qbl.cache_info() if (r["in_features"], r["out_features"]) == (128, 48)
-            and r["dtype"] == torch.float32 and not r["backward"]]
+            and r["x_dtype"] == torch.float32]
     assert any(r["tf32"] for r in rows), f"no TF32 layer cached for 128 -> 48: {rows}"
 
 

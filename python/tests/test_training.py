@@ -1,0 +1,320 @@
+"""qbl as training uses it: under torch.autocast (values, dtypes, gradients, torch.compile, a
+captured training step), the same layer on two streams at once, the host time of a call against
+nn.Linear's, and grad_logits' accuracy against eager's.
+
+The autocast reference is the reference module's arithmetic run by eager under autocast
+(helpers.eager_forward inside torch.autocast): F.linear casts mixed, weight and bias to the
+autocast dtype (weight and bias through autocast's cast cache), and autograd records the casts.
+"""
+
+from __future__ import annotations
+
+import helpers as H  # first: skips this module cleanly when torch or qbl cannot be imported
+
+import statistics
+import time
+
+import pytest
+import torch
+
+import qbl
+
+AC = torch.bfloat16  # the usual autocast dtype; fp16 is covered where it differs
+
+
+def _autocast(dtype=AC, cache=True):
+    return torch.autocast("cuda", dtype=dtype, cache_enabled=cache)
+
+
+def _eager_mixed_under_autocast(x, l, dtype=AC):
+    """eager's `mixed` under autocast and the GEMM operand F.linear makes of it."""
+    with _autocast(dtype):
+        e = H.eager_forward(x, l, torch.eye(x.shape[-1], device=x.device), None)
+    return e.mixed, e.mixed.to(dtype)
+
+
+# (x dtype, logits dtype): what autocast hands the layer. The first three run qbl's fused kernels;
+# the last (an fp16 gate under bf16 autocast) runs the reference's own ops, so it too is eager's.
+AUTOCAST_INPUTS = [
+    pytest.param(torch.float32, AC, id="x_fp32_gate_bf16"),
+    pytest.param(torch.float32, torch.float32, id="x_fp32_gate_fp32"),
+    pytest.param(AC, AC, id="x_bf16_gate_bf16"),
+    pytest.param(torch.float32, torch.float16, id="x_fp32_gate_fp16_unfused"),
+]
+
+
+@pytest.mark.parametrize("x_dtype,l_dtype", AUTOCAST_INPUTS)
+@pytest.mark.parametrize("ac", [AC, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_forward_is_eagers(x_dtype, l_dtype, ac):
+    """Under autocast: out in the autocast dtype; `mixed` bit-identical to eager's mixed cast to it
+    (where qbl's kernels run), and out as close to the float64 product of those operands as a GEMM
+    in that dtype allows -- or, on the unfused path, bit-identical to eager's out."""
+    if ac == torch.float16 and AC in (x_dtype, l_dtype):
+        pytest.skip("bf16 inputs under fp16 autocast: not a combination autocast produces")
+    x, l, w, b = H.make_inputs((4, 33), 64, 48, torch.float32, seed=200)
+    x, l = x.to(x_dtype), l.to(l_dtype)
+    w, b = w.requires_grad_(), b.requires_grad_()  # fp32 parameters: the cast cache applies
+    with _autocast(ac):
+        out, mixed, stats = torch.ops.qbl.forward(x, l, w, b)
+        e = H.eager_forward(x, l, w, b)
+    assert out.dtype == ac, f"out dtype {out.dtype}, expected the autocast dtype {ac}"
+    assert e.out.dtype == ac
+    if l_dtype == torch.float16 and ac == AC:  # the unfused path: eager's own ops
+        H.assert_bits_equal(out.detach(), e.out.detach(), "out (unfused path) vs eager's")
+        return
+    assert mixed.dtype == ac, f"mixed dtype {mixed.dtype}, expected {ac}"
+    H.assert_bits_equal(mixed, e.mixed.detach().to(ac), "mixed vs eager's mixed.to(autocast dtype)")
+    H.assert_bits_equal(stats, H.eager_stats(e), "stats vs eager's amax and scale")
+    ref, _ = H.ref64_out(e.mixed.detach().to(ac), w.detach().to(ac), b.detach().to(ac))
+    H.assert_gemm_close(out.detach(), e.out.detach(), ref, ac, "out under autocast")
+
+
+@pytest.mark.parametrize("x_dtype,l_dtype", AUTOCAST_INPUTS[:3])
+def test_autocast_gradients_follow_the_casts(x_dtype, l_dtype):
+    """Each input's gradient in its own dtype, as eager's autograd gives it through autocast's
+    casts (x.grad in x's, logits.grad in the logits', weight.grad and bias.grad fp32); with W = I
+    g_mixed is grad_out exactly, so grad_x is bit-identical to eager's; the rest within the
+    backward's bounds of eager's."""
+    d = 64
+    x, l, _, _ = H.make_inputs((5, 29), d, d, torch.float32, seed=201)
+    x, l = x.to(x_dtype), l.to(l_dtype)
+    w, b = H.identity_layer_params(d, torch.float32)
+    g = H.make_grad_out((5, 29, d), AC, seed=202)
+    runs = {}
+    for name, fn in (("qbl", H.qbl_fn()), ("eager", H.eager_fn())):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, l, w, b)]
+        with _autocast():
+            out = fn(*leaves)
+        assert out.dtype == AC, f"{name}: out dtype {out.dtype}"
+        out.backward(g)
+        runs[name] = [t.grad for t in leaves]
+    for i, (name, t) in enumerate(zip(("x", "logits", "weight", "bias"), (x, l, w, b))):
+        q, e = runs["qbl"][i], runs["eager"][i]
+        assert q is not None and q.dtype == t.dtype == e.dtype, (
+            f"grad_{name}: dtype {None if q is None else q.dtype}, eager's {e.dtype}, input {t.dtype}")
+        H.assert_all_finite(q, f"grad_{name}")
+    H.assert_bits_equal(runs["qbl"][0], runs["eager"][0], "grad_x (W = I) vs eager's")
+    with torch.no_grad(), _autocast():
+        e = H.eager_forward(x, l, w, b)
+    # grad_logits: both from the same g_mixed (W = I): the same formula, sums in another order.
+    r = H.ref64_grads(x.float(), l.float(), w, e, g.float())
+    H.assert_norm_within_eager(runs["qbl"][1].float(), runs["eager"][1].float(), r.logits,
+                               l_dtype, "grad_logits under autocast")
+    # weight and bias: bf16 products widened to fp32, as eager's cast backward widens them.
+    tokens = g.numel() // d
+    gw64 = g.double().reshape(-1, d).t() @ e.mixed.detach().to(AC).double().reshape(-1, d)
+    H.assert_gemm_close(runs["qbl"][2], runs["eager"][2], gw64, torch.float32,
+                        "grad_weight under autocast")
+    g2 = g.double().reshape(-1, d)
+    H.assert_sum_close(runs["qbl"][3], g2.sum(0), g2.abs().sum(0), tokens, AC,
+                       "grad_bias under autocast")
+
+
+def test_mixed_dtypes_outside_autocast_raise():
+    """Outside autocast the operator takes one dtype: an fp32 x with a bf16 gate is a TypeError
+    naming the two, and nothing is computed."""
+    x, l, w, b = H.make_inputs((3, 4), 32, 16, torch.float32, seed=203)
+    with pytest.raises(TypeError, match="logits has dtype BFloat16 but x is Float"):
+        qbl.quant_blend_linear(x, l.bfloat16(), w, b)
+    with pytest.raises(TypeError, match="weight has dtype BFloat16"):
+        qbl.quant_blend_linear(x, l, w.bfloat16(), b)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_autocast_compiles_to_the_same_bits(backend):
+    """torch.compile(fullgraph=True) of a function that runs the layer under autocast (fp32 x and
+    parameters, a bf16 gate as a model's gate Linear gives it): the same out and gradients, bit
+    for bit, as the uncompiled function -- the compiled graph calls qbl's kernels with autocast's
+    casts around them. (Around the layer only exact ops, so that the comparison is of qbl.)"""
+    torch.manual_seed(204)
+    layer = qbl.QuantBlendLinear(64, 48, device=H.device())
+
+    def fn(x, l):
+        with _autocast():
+            return layer(x, l.to(AC))
+
+    x, l, _, _ = H.make_inputs((6, 40), 64, 48, torch.float32, seed=204)
+    g = H.make_grad_out((6, 40, 48), AC, seed=205)
+    runs = {}
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    for name, f in (("eager", fn), ("compiled", compiled)):
+        layer.zero_grad(set_to_none=True)
+        xx, ll = x.clone().requires_grad_(), l.clone().requires_grad_()
+        out = f(xx, ll)
+        out.backward(g)
+        runs[name] = [out.detach(), xx.grad, ll.grad, layer.weight.grad.clone(),
+                      layer.bias.grad.clone()]
+    names = ("out", "grad_x", "grad_logits", "grad_weight", "grad_bias")
+    for name, a, b_ in zip(names, runs["compiled"], runs["eager"]):
+        H.assert_bits_equal(a, b_, f"{backend}: {name} compiled vs eager, under autocast")
+
+
+def test_captured_autocast_training_step_replays_eager_steps():
+    """A whole mixed-precision step -- forward under autocast(cache_enabled=False), backward, and an
+    AdamW step on fp32 parameters -- captured in a CUDA graph and replayed: the parameters after 3
+    eager warm-up steps and 5 replays equal those after 8 eager steps, bit for bit."""
+    def make():
+        torch.manual_seed(205)
+        return torch.nn.ModuleDict({
+            "gate": torch.nn.Linear(64, 1, device=H.device()),
+            "layer": qbl.QuantBlendLinear(64, 64, device=H.device())})
+
+    xs = [torch.randn(8, 32, 64, device=H.device(), generator=torch.Generator(
+        device=H.device()).manual_seed(206 + i)) for i in range(8)]
+
+    def loss_of(m, x):
+        with _autocast(cache=False):
+            logits = m["gate"](x).squeeze(-1)
+            return m["layer"](x, logits).float().square().mean()
+
+    ref = make()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, capturable=True)
+    for x in xs:
+        opt_ref.zero_grad(set_to_none=True)
+        loss_of(ref, x).backward()
+        opt_ref.step()
+
+    m = make()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=True)
+    static_x = xs[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in xs[:3]:
+            static_x.copy_(x)
+            opt.zero_grad(set_to_none=True)
+            loss_of(m, static_x).backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss_of(m, static_x).backward()
+        opt.step()
+    for x in xs[3:]:
+        static_x.copy_(x)
+        graph.replay()
+    torch.cuda.synchronize()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        H.assert_bits_equal(p.detach(), q.detach(), f"{name} after 3 eager steps and 5 replays")
+
+
+# ---- two streams ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_shape_on_two_streams_at_once_equals_serial_runs(dtype):
+    """The same (shape, dtype) layer on two streams at once, forward and backward interleaved and
+    in flight together (each stream held back by a sleep kernel while the other runs): each
+    stream's outputs and gradients equal the serial run of its inputs bit for bit (its workspace
+    comes from torch's caching allocator on its own stream)."""
+    shape, n_in, n_out = (8, 256), 384, 192
+    sets = [H.make_inputs(shape, n_in, n_out, dtype, seed=210 + k) for k in range(2)]
+    gs = [H.make_grad_out((*shape, n_out), dtype, seed=212 + k) for k in range(2)]
+    serial = [H.run_autograd(H.qbl_fn(), *sets[k], gs[k]) for k in range(2)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    results = [None, None]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for rep in range(5):
+        pending = []
+        for k, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(1_000_000 * (2 - k))  # stream 0 starts later than stream 1
+                leaves = [t.detach().clone().requires_grad_() for t in sets[k]]
+                out = qbl.quant_blend_linear(*leaves)
+                pending.append((k, out, leaves))
+        for k, out, leaves in pending:
+            with torch.cuda.stream(streams[k]):
+                grads = torch.autograd.grad(out, leaves, gs[k])
+                results[k] = (out.detach(), grads)
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        for k in range(2):
+            out, grads = results[k]
+            H.assert_bits_equal(out, serial[k].out, f"rep {rep}, stream {k}: out")
+            for name, got, want in zip(("x", "logits", "weight", "bias"), grads,
+                                       (serial[k].x, serial[k].logits, serial[k].weight,
+                                        serial[k].bias)):
+                H.assert_bits_equal(got, want, f"rep {rep}, stream {k}: grad_{name}")
+
+
+# ---- host time -----------------------------------------------------------------------------------
+
+
+def _host_us_per_call(fn, calls=200):
+    """The median host time of fn() over batches of 20 calls, with the device kept busy so that
+    the queue never drains (the calls are timed as a training loop issues them)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls // 20):
+        torch.cuda._sleep(20_000_000)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        times.append((time.perf_counter() - t0) / 20 * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def test_host_time_of_forward_and_backward_near_nn_linear():
+    """One forward + backward of a training layer (8 x 1024 tokens, 1024 -> 1024, bf16) costs the
+    host about what nn.Linear's does (the autograd formula is C++; no Python runs per call):
+    measured here within 1.5x (the project's target, 1.2x, is measured by compare.py and stated in
+    benchmarks/RESULTS.md; this bound leaves room for a busy host)."""
+    d, tokens = 1024, 8192
+    x = torch.randn(tokens, d, device=H.device(), dtype=torch.bfloat16, requires_grad=True)
+    l = torch.randn(tokens, device=H.device(), dtype=torch.bfloat16, requires_grad=True)
+    layer = qbl.QuantBlendLinear(d, d, device=H.device(), dtype=torch.bfloat16)
+    linear = torch.nn.Linear(d, d, device=H.device(), dtype=torch.bfloat16)
+    g = torch.randn(tokens, d, device=H.device(), dtype=torch.bfloat16)
+
+    def qbl_step():
+        layer(x, l).backward(g)
+
+    def linear_step():
+        linear(x).backward(g)
+
+    q = _host_us_per_call(qbl_step)
+    n = _host_us_per_call(linear_step)
+    print(f"\n[host time] forward + backward per call: qbl {q:.1f} us, nn.Linear {n:.1f} us "
+          f"({q / n:.2f}x)")
+    assert q <= 1.5 * n, f"qbl's host time per call {q:.1f} us > 1.5 x nn.Linear's {n:.1f} us"
+
+
+# ---- grad_logits' accuracy -----------------------------------------------------------------------
+
+GRAD_LOGITS_SHAPES = [(4, 1000), (16, 1000), (256, 1024), (64, 2048), (8, 4096)]
+
+
+@pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
+def test_grad_logits_at_least_as_accurate_as_eagers(dtype):
+    """grad_logits against its float64 value (W = I, so that g_mixed is grad_out exactly for both
+    and only the two row sums differ), qbl's compensated sums against eager's fp32 reduction;
+    the table is printed. fp32: qbl's error no larger than eager's at every shape. bf16 and fp16:
+    both round each sum to the dtype, which dominates; they differ only at the few tokens where
+    eager's sum error crosses a rounding boundary, which moves the error either way -- within
+    25 % of eager's here (a plain sum of the row would not be: test_quant_blend_backward's
+    compensated-sum test holds the kernel itself to its derived bound)."""
+    rows = []
+    for tokens, d in GRAD_LOGITS_SHAPES:
+        x, l, _, _ = H.make_inputs((tokens,), d, d, dtype, seed=220 + d + tokens)
+        w, b = H.identity_layer_params(d, dtype)
+        g = H.make_grad_out((tokens, d), dtype, seed=221)
+        q = H.run_autograd(H.qbl_fn(), x, l, w, b, g, want=(False, True, False, False)).logits
+        e = H.run_autograd(H.eager_fn(), x, l, w, b, g, want=(False, True, False, False)).logits
+        with torch.no_grad():
+            fwd = H.eager_forward(x, l, w, b)
+        ref = H.ref64_grads(x, l, w, fwd, g).logits
+        eq, ee = H.rel_fro(q, ref), H.rel_fro(e, ref)
+        rows.append((tokens, d, eq, ee))
+    print(f"\n[grad_logits {dtype}] tokens  D  error vs float64: qbl  eager")
+    for tokens, d, eq, ee in rows:
+        print(f"  {tokens:5d} {d:5d}  {eq:.3e}  {ee:.3e}")
+    slack = 1.0 if dtype == torch.float32 else 1.25
+    for tokens, d, eq, ee in rows:
+        assert eq <= slack * ee, (f"{dtype} tokens {tokens} D {d}: qbl's grad_logits error "
+                                  f"{eq:.3e} > {slack} x eager's {ee:.3e}")
