@@ -297,38 +297,6 @@ inline GradLogitRef reference_grad_logit(DType t, const float* g, const float* x
   return reference_grad_logit(t, t, g, x, n, alpha, scale);
 }
 
-/// grad_w[o, i] = sum_t g[t, o] * a[t, i] (+ old[o, i]), in double. g [tokens, out], a [tokens,
-/// in].
-inline std::vector<double> wgrad_reference(const std::vector<float>& g, const std::vector<float>& a,
-                                           const float* old, std::int64_t tokens, std::int64_t in,
-                                           std::int64_t out) {
-  std::vector<double> r(static_cast<std::size_t>(out * in));
-  for (std::int64_t o = 0; o < out; ++o)
-    for (std::int64_t i = 0; i < in; ++i) r[o * in + i] = old != nullptr ? old[o * in + i] : 0.0;
-  for (std::int64_t t = 0; t < tokens; ++t)
-    for (std::int64_t o = 0; o < out; ++o) {
-      const double go = g[t * out + o];
-      double* row = &r[o * in];
-      const float* ar = &a[t * in];
-      for (std::int64_t i = 0; i < in; ++i) row[i] += go * ar[i];
-    }
-  return r;
-}
-
-/// g_a[t, i] = sum_o g[t, o] * w[o, i], in double (the dgrad product).
-inline std::vector<double> dgrad_reference(const std::vector<float>& g, const std::vector<float>& w,
-                                           std::int64_t tokens, std::int64_t in, std::int64_t out) {
-  std::vector<double> r(static_cast<std::size_t>(tokens * in), 0.0);
-  for (std::int64_t t = 0; t < tokens; ++t)
-    for (std::int64_t o = 0; o < out; ++o) {
-      const double go = g[t * out + o];
-      double* row = &r[t * in];
-      const float* wr = &w[o * in];
-      for (std::int64_t i = 0; i < in; ++i) row[i] += go * wr[i];
-    }
-  return r;
-}
-
 /// grad_bias[o] = sum_t g[t, o], in double, with sum_t |g[t, o]| for the error bound.
 inline std::vector<double> bias_grad_reference(const std::vector<float>& g, std::int64_t tokens,
                                                std::int64_t out, std::vector<double>* abs_sum) {

@@ -1019,19 +1019,9 @@ BwdCase make_backward_case(std::uint64_t seed, int index) {
   return c;
 }
 
-// A case that once failed under the fixed bound "1.5 x one rounding + 2e-5" (relative Frobenius)
-// that this suite used before its bounds were derived from the arithmetic: a 187-term fp32 dot
-// product (dgrad of one token, out = 187) with cancellation, relative error 2.0205e-05 against a
-// limit of 2.0021e-05. Nothing was wrong with the layer; the element-wise bound of
-// tests/tolerance.hpp holds it. The generator must still produce that case from that seed.
-TEST(LayerBackwardProperty, RegressionCaseOfSeed10071686998254454627) {
-  QBL_REQUIRE_GPU();
-  BwdCase c = make_backward_case(10071686998254454627ull, 545);
-  c.gemm = DType::tf32, c.gate_in_gemm_type = false;  // the fields drawn after it was logged
-  c.overlap = c.bias_epilogue = qbl::Choice::by_shape;
-  const std::string logged =
-      "fp32 tokens 1 in 1 out 187 max_tokens 1 in_off 2 out_off 8 no-bias zero accumulate grads "
-      "{logits,weight} x_std 0.051001";
+// A logged case of the property test, replayed: the generator must still produce it from its
+// seed (`logged`, the start of its description), and the layer must pass the checks on it.
+void replay_logged_case(const BwdCase& c, const std::string& logged) {
   ASSERT_EQ(c.describe().substr(0, logged.size()), logged);
   SCOPED_TRACE(c.describe());
   const BwdData d = make_data(c);
@@ -1040,22 +1030,30 @@ TEST(LayerBackwardProperty, RegressionCaseOfSeed10071686998254454627) {
   EXPECT_TRUE(check_backward(c, d, r));
 }
 
+// A case that once failed under the fixed bound "1.5 x one rounding + 2e-5" (relative Frobenius)
+// that this suite used before its bounds were derived from the arithmetic: a 187-term fp32 dot
+// product (dgrad of one token, out = 187) with cancellation, relative error 2.0205e-05 against a
+// limit of 2.0021e-05. Nothing was wrong with the layer; the element-wise bound of
+// tests/tolerance.hpp holds it.
+TEST(LayerBackwardProperty, RegressionCaseOfSeed10071686998254454627) {
+  QBL_REQUIRE_GPU();
+  BwdCase c = make_backward_case(10071686998254454627ull, 545);
+  c.gemm = DType::tf32, c.gate_in_gemm_type = false;  // the fields drawn after it was logged
+  c.overlap = c.bias_epilogue = qbl::Choice::by_shape;
+  replay_logged_case(c,
+                     "fp32 tokens 1 in 1 out 187 max_tokens 1 in_off 2 out_off 8 no-bias zero "
+                     "accumulate grads {logits,weight} x_std 0.051001");
+}
+
 // A case of fp16 logits (x fp32, in = 1, x_std 948) where g_mixed * x_q and g_mixed * x, finite in
 // float32, lie beyond fp16's range: cast to the logits' dtype both are infinite and grad_alpha is
 // inf - inf = NaN, as autograd computes it. The reference's interval once came out as
 // [NaN, NaN] and admitted nothing.
 TEST(LayerBackwardProperty, RegressionCaseOfSeed14087370335047220017) {
   QBL_REQUIRE_GPU();
-  const BwdCase c = make_backward_case(14087370335047220017ull, 436);
-  const std::string logged =
-      "fp32 gemm fp16 logits fp16 tokens 83 in 1 out 150 max_tokens 141 in_off 8 out_off 4 bias "
-      "ste grads {x,logits,weight,bias} x_std 948.691956";
-  ASSERT_EQ(c.describe().substr(0, logged.size()), logged);
-  SCOPED_TRACE(c.describe());
-  const BwdData d = make_data(c);
-  const BwdResult r = run_backward(c, d);
-  if (::testing::Test::HasFatalFailure()) return;
-  EXPECT_TRUE(check_backward(c, d, r));
+  replay_logged_case(make_backward_case(14087370335047220017ull, 436),
+                     "fp32 gemm fp16 logits fp16 tokens 83 in 1 out 150 max_tokens 141 in_off 8 "
+                     "out_off 4 bias ste grads {x,logits,weight,bias} x_std 948.691956");
 }
 
 TEST(LayerBackwardProperty, RandomCasesMatchTheIndependentReference) {
