@@ -200,7 +200,8 @@ inline float reference_sigmoid_backward(DType t, float ga, float alpha) {
 /// steps applied to S_q - E_q, S_x + E_x and to S_q + E_q, S_x - E_x. That is as tight as a bound
 /// valid for every order can be (it is the exact answer when E = 0, e.g. n = 1), and far from
 /// vacuous: E / sum |p| is under 2^-24 * n, while dropping sum_x, or using alpha for 1 - alpha,
-/// moves the result by about |sum_x| or |1 - 2 alpha| relative (ReferenceSelfCheck tests this).
+/// moves the result by about |sum_x| or |1 - 2 alpha| relative
+/// (BackwardElementMath.GradLogitBoundHoldsEveryOrderAndRejectsMutants tests this).
 struct GradLogitRef {
   bool nan = false;       ///< eager's result is NaN (a NaN term, x_q or alpha; inf - inf in L)
   bool overflow = false;  ///< a sum is infinite: the result is not finite, its value not checked

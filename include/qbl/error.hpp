@@ -1,7 +1,7 @@
 // qbl/error.hpp -- exception types and the checking macros used by the host API.
 //
 // Two error layers: device launchers return cudaError_t / cublasStatus_t and never throw;
-// the host API (qbl::QuantBlendLinear, qbl::LinearGemm construction) throws the types below.
+// the host API (qbl::QuantBlendLinear, the plans' construction and run()) throws the types below.
 // Every CUDA / cuBLAS failure carries the failing call, file:line and the library's status string.
 //
 //   try {

@@ -64,14 +64,16 @@ struct Options {
   bool backward = false;
 
   /// The backward's weight gradient (and bias gradient) on a second stream beside its input
-  /// gradient, or after it on the caller's stream. by_shape: beside each other below a measured
-  /// size (on an H200 that was faster at every shape measured, so there is no limit yet;
-  /// qbl::BackwardPlan::overlaps() says which). The bits are the same either way.
+  /// gradient, or before it on the caller's stream. by_shape: beside each other below a measured
+  /// size (on an H200 beside each other was faster at 10 of 12 bench shapes and at most 2.2 %
+  /// slower at the other two, so there is no limit yet; qbl::BackwardPlan::overlaps() says
+  /// which). The bits are the same either way.
   Choice overlap_wgrad = Choice::by_shape;
 
   /// The bias gradient from the wgrad GEMM's CUBLASLT_EPILOGUE_BGRADB, or from qbl's column-sum
-  /// kernel over grad_out. by_shape: whichever measured faster for such shapes
-  /// (qbl::BackwardPlan::bias_from_epilogue() says which). Both are deterministic, in different
+  /// kernel over grad_out. by_shape: the column sum, for now at every shape
+  /// (qbl::BackwardPlan::bias_from_epilogue() says which; benchmarks/RESULTS.md has the
+  /// measurements). Both are deterministic, in different
   /// summation orders: the choice can change grad_bias's last bits.
   Choice bias_from_epilogue = Choice::by_shape;
 
