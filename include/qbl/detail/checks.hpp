@@ -16,13 +16,12 @@ namespace qbl::detail {
 
 /// What a check found: nothing (ok), or the exception run() throws and why.
 struct Check {
-  enum class Fault { none, invalid_argument, out_of_range, logic_error, cuda_error };
+  enum class Fault { none, invalid_argument, out_of_range, logic_error };
   Fault fault = Fault::none;
   const char* message = "";
   const char* condition = "";
   const char* file = "";
   int line = 0;
-  cudaError_t cuda = cudaSuccess;  ///< Fault::cuda_error: the CUDA call that failed
 
   bool ok() const noexcept { return fault == Fault::none; }
 };
@@ -39,23 +38,17 @@ inline void raise(const Check& c) {
       throw qbl::out_of_range(what);
     case Check::Fault::logic_error:
       throw qbl::logic_error(what);
-    case Check::Fault::cuda_error:
-      throw_cuda(c.cuda, c.condition, c.file, c.line);
     case Check::Fault::none:
       break;
   }
 }
 
 /// In a function returning Check: return the fault unless `condition` holds.
-#define QBL_CHECK(condition, fault, message)                          \
-  do {                                                                \
-    if (!(condition))                                                 \
-      return ::qbl::detail::Check{::qbl::detail::Check::Fault::fault, \
-                                  (message),                          \
-                                  #condition,                         \
-                                  __FILE__,                           \
-                                  __LINE__,                           \
-                                  cudaSuccess};                       \
+#define QBL_CHECK(condition, fault, message)                                                 \
+  do {                                                                                       \
+    if (!(condition))                                                                        \
+      return ::qbl::detail::Check{::qbl::detail::Check::Fault::fault, (message), #condition, \
+                                  __FILE__, __LINE__};                                       \
   } while (0)
 
 /// A device buffer's extent, for the overlap checks.

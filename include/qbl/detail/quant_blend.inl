@@ -16,6 +16,9 @@
 
 namespace qbl::detail {
 
+static_assert(qbl::amax_quant_blend_workspace_bytes == amax_max_blocks * sizeof(float),
+              "amax_quant_blend's workspace holds one float per amax block");
+
 inline constexpr int quant_blend_block_threads = 256;
 inline constexpr int single_block_threads = 1024;
 

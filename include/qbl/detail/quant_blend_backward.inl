@@ -226,6 +226,8 @@ inline constexpr int column_sum_lanes = 32;  ///< column vectors per block (one 
 inline constexpr int column_sum_row_lanes = column_sum_threads / column_sum_lanes;
 inline constexpr int column_sum_rows_in_flight = 8;  ///< rows each thread loads before adding
 inline constexpr int column_sum_max_splits = 64;     ///< row ranges (bias_grad_workspace_bytes)
+static_assert(qbl::bias_grad_workspace_bytes(1) == column_sum_max_splits * sizeof(float),
+              "bias_grad_workspace_bytes must hold column_sum_max_splits partial sums per column");
 
 /// Row ranges for a column sum of [rows, cols] in vectors of N on `sms` multiprocessors: enough
 /// blocks for about four per multiprocessor, each range at least 64 rows (one pass of eight rows
