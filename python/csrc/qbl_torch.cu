@@ -438,10 +438,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const char* op, const Tensor& x_
   const Key key{x.get_device(), types, p.in, p.out, allow_tf32 && types.gemm == at::kFloat};
   // A forward recording autograd will be followed by a backward: plan both now, at one wait.
   // (Below the autograd kernel grad mode is off: that kernel says so through `recording`.)
-  const bool training =
-      recording || (at::GradMode::is_enabled() &&
-                    (x_in.requires_grad() || logits_in.requires_grad() ||
-                     weight_in.requires_grad() || (has_bias && bias_in->requires_grad())));
+  const bool training = recording || records(x_in, logits_in, weight_in, bias_in);
   Layer& layer = Registry::get().layer(key, p.tokens, training, stream);
   translate([&] {
     std::visit(
@@ -725,6 +722,14 @@ class FakeQuantSTE : public torch::autograd::Function<FakeQuantSTE> {
   }
 };
 
+/// weight and bias cast to the autocast dtype `a` as F.linear casts them (autocast's cast cache).
+std::pair<Tensor, std::optional<Tensor>> cast_parameters(ScalarType a, const Tensor& weight,
+                                                         const std::optional<Tensor>& bias) {
+  Tensor w = at::autocast::cached_cast(a, weight, c10::DeviceType::CUDA);
+  if (!bias.has_value() || !bias->defined()) return {w, std::nullopt};
+  return {w, at::autocast::cached_cast(a, *bias, c10::DeviceType::CUDA)};
+}
+
 /// The reference module's forward op by op (autograd records every op): the unfused path.
 std::tuple<Tensor, Tensor, Tensor> reference_under_autocast(const Tensor& x, const Tensor& logits,
                                                             const Tensor& weight,
@@ -732,20 +737,16 @@ std::tuple<Tensor, Tensor, Tensor> reference_under_autocast(const Tensor& x, con
                                                             const Tensor* amax,
                                                             bool straight_through, ScalarType a) {
   const Tensor alpha = at::sigmoid(logits).unsqueeze(-1);
-  Tensor m =
+  const Tensor raw =
       amax != nullptr ? amax->detach().select(0, 0).to(x.scalar_type()) : x.detach().abs().max();
-  m = m.clamp_min(1e-8);
-  const Tensor scale = m / 127.0;
+  const Tensor scale = raw.clamp_min(1e-8) / 127.0;
   const Tensor x_q = straight_through ? FakeQuantSTE::apply(x, scale)
                                       : at::clamp(at::round(x / scale), -127, 127) * scale;
   const Tensor mixed = alpha * x_q + (1.0 - alpha) * x;
-  const Tensor w = at::autocast::cached_cast(a, weight, c10::DeviceType::CUDA);
-  const std::optional<Tensor> b =
-      bias.has_value() && bias->defined()
-          ? std::optional<Tensor>(at::autocast::cached_cast(a, *bias, c10::DeviceType::CUDA))
-          : std::nullopt;
+  const auto [w, b] = cast_parameters(a, weight, bias);
   const Tensor out = at::linear(mixed.to(a), w, b);
-  const Tensor stats = at::stack({m.detach().to(at::kFloat), scale.detach().to(at::kFloat)});
+  // [amax before the clamp, scale], as the fused path's stats.
+  const Tensor stats = at::stack({raw.to(at::kFloat), scale.detach().to(at::kFloat)});
   return {out, mixed.detach(), stats};
 }
 
@@ -767,11 +768,7 @@ std::tuple<Tensor, Tensor, Tensor> autocast_impl(const Tensor& x, const Tensor& 
                                                  allow_tf32, gemm_dtype);
     return reference_under_autocast(x, logits, weight, bias, amax, straight_through, a);
   }
-  const Tensor w = at::autocast::cached_cast(a, weight, c10::DeviceType::CUDA);
-  const std::optional<Tensor> b =
-      bias.has_value() && bias->defined()
-          ? std::optional<Tensor>(at::autocast::cached_cast(a, *bias, c10::DeviceType::CUDA))
-          : std::nullopt;
+  const auto [w, b] = cast_parameters(a, weight, bias);
   const std::optional<ScalarType> g =
       std::optional<ScalarType>(x.scalar_type() == at::kFloat ? a : x.scalar_type());
   return amax != nullptr
