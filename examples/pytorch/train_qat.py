@@ -164,6 +164,7 @@ class Models:
         self.init_state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
         self.eager: Dict[str, nn.Module] = {"reference": ref, "qbl": new}
         self.compiled: Dict[str, Tuple[nn.Module, Callable]] = {}
+        self.lr = args.lr if args.lr is not None else default_lr(d)
 
     def get(self, variant: str, mode: str) -> Tuple[nn.Module, Callable]:
         """(the module holding the parameters, what a step calls)."""
@@ -252,7 +253,7 @@ def time_precision(models: Models, precision: str, batches: Batches, args, bar: 
             bar.update(0, f"{label}: warm-up {name}")
             t0 = time.perf_counter()
             try:
-                step = make_step(*models.get(variant, mode), precision, args.lr)
+                step = make_step(*models.get(variant, mode), precision, models.lr)
                 for i in range(args.warmup):
                     step(*batches[i % len(batches)])
                 torch.cuda.synchronize()
@@ -281,8 +282,17 @@ def time_precision(models: Models, precision: str, batches: Batches, args, bar: 
     return times
 
 
+def default_lr(d: int) -> float:
+    """1e-3 at D = 1024, scaled by 1 / D: Adam moves every weight by about lr per step, so a
+    layer's output moves by about lr x its fan-in; at a fixed lr, D = 2048 diverges."""
+    return 1e-3 * 1024 / d
+
+
 def curve_runs(args) -> List[Tuple[str, str, str]]:
-    return [run for run in CURVE_RUNS if run[2] == "eager" or args.curve_compiled]
+    """The eager runs and the compiled reference (the yardstick: the same model rounded
+    differently); qbl compiled too with --curve-compiled."""
+    return [run for run in CURVE_RUNS
+            if run[2] == "eager" or run[0] == "reference compiled" or args.curve_compiled]
 
 
 def train_curves(models: Models, precision: str, batches: Batches, args, bar: Progress,
@@ -295,7 +305,7 @@ def train_curves(models: Models, precision: str, batches: Batches, args, bar: Pr
             module, fn = models.get(variant, mode)
             module.load_state_dict(models.init_state)  # in place: compiled code keeps them
             torch.manual_seed(args.seed)
-            step = make_step(module, fn, precision, args.lr)
+            step = make_step(module, fn, precision, models.lr)
             for i in range(args.steps):
                 losses.append(step(*batches[i % len(batches)]))
                 bar.update(1)
@@ -407,8 +417,9 @@ def environment(args, fp32_setting: str, floor: float) -> Dict[str, str]:
         env["qbl"] = getattr(qbl, "__version__", None) or version("qbl")
     except Exception:  # noqa: BLE001  (no version to show)
         pass
+    lr = args.lr if args.lr is not None else "1e-3 x 1024 / D"
     env["task"] = (f"vocab {args.vocab}, {args.blocks} blocks, {args.batch} x {args.seq} tokens "
-                   f"per step, AdamW(lr={args.lr}, fused=True), targets' entropy {floor:.3f}")
+                   f"per step, AdamW(lr={lr}, fused=True), targets' entropy {floor:.3f}")
     return env
 
 
@@ -435,7 +446,8 @@ def parse_args():
     ap.add_argument("--round-steps", type=int, default=None,
                     help="steps per timing round, between one pair of events (10; --quick 5)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant and mode")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=None,
+                    help="AdamW's learning rate (default: 1e-3 x 1024 / D, as wide layers need)")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and loss-curve steps")
     ap.add_argument("--seed", type=int, default=0, help="for the data and the parameters")
     ap.add_argument("--plot", default="train_qat_loss.png", help="PNG of the loss curves ('' none)")

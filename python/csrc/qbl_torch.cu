@@ -31,6 +31,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -194,9 +195,22 @@ bool capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+/// A backward choice from the environment, read when a layer is planned: "1" yes, "0" no, unset
+/// or empty by shape (the library's rule).
+qbl::Choice env_choice(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return qbl::Choice::by_shape;
+  const std::string s(v);
+  TORCH_CHECK_VALUE(s == "0" || s == "1", "qbl: ", name, "=", s,
+                    " is not a choice; use 1 (yes), 0 (no) or leave it unset (by shape)");
+  return s == "1" ? qbl::Choice::yes : qbl::Choice::no;
+}
+
 qbl::Options plan_options(const Key& key) {
   qbl::Options o;
   o.allow_tf32 = key.tf32;
+  o.overlap_wgrad = env_choice("QBL_OVERLAP_WGRAD");
+  o.bias_from_epilogue = env_choice("QBL_BIAS_FROM_EPILOGUE");
   o.allocator = {&torch_allocate, &torch_deallocate, nullptr};
   return o;
 }
