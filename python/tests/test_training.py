@@ -243,28 +243,32 @@ def test_one_shape_on_two_streams_at_once_equals_serial_runs(dtype):
 # ---- host time -----------------------------------------------------------------------------------
 
 
-def _host_us_per_call(fn, calls=200):
-    """The median host time of fn() over batches of 20 calls, with the device kept busy so that
-    the queue never drains (the calls are timed as a training loop issues them)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(calls // 20):
-        torch.cuda._sleep(20_000_000)
-        t0 = time.perf_counter()
-        for _ in range(20):
+def _host_us_per_call(fns, rounds=15, batch=20):
+    """The median host time of each fn() over rounds of `batch` calls, the device kept busy so
+    that the queue never drains (the calls are timed as a training loop issues them). The fns
+    take turns in every round, so that a change in the host's load hits them alike."""
+    for fn in fns:
+        for _ in range(batch):
             fn()
-        times.append((time.perf_counter() - t0) / 20 * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            torch.cuda._sleep(20_000_000)
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            times[i].append((time.perf_counter() - t0) / batch * 1e6)
+            torch.cuda.synchronize()
+    return [statistics.median(t) for t in times]
 
 
 def test_host_time_of_forward_and_backward_near_nn_linear():
     """One forward + backward of a training layer (8 x 1024 tokens, 1024 -> 1024, bf16) costs the
     host about what nn.Linear's does (the autograd formula is C++; no Python runs per call):
-    measured here within 1.5x (the project's target, 1.2x, is measured by compare.py and stated in
-    benchmarks/RESULTS.md; this bound leaves room for a busy host)."""
+    measured here within 1.5x, the two timed in alternating rounds (the project's target is
+    1.2x; benchmarks/RESULTS.md has the measurement, and this bound leaves room for a busy
+    host)."""
     d, tokens = 1024, 8192
     x = torch.randn(tokens, d, device=H.device(), dtype=torch.bfloat16, requires_grad=True)
     l = torch.randn(tokens, device=H.device(), dtype=torch.bfloat16, requires_grad=True)
@@ -278,8 +282,7 @@ def test_host_time_of_forward_and_backward_near_nn_linear():
     def linear_step():
         linear(x).backward(g)
 
-    q = _host_us_per_call(qbl_step)
-    n = _host_us_per_call(linear_step)
+    q, n = _host_us_per_call([qbl_step, linear_step])
     print(f"\n[host time] forward + backward per call: qbl {q:.1f} us, nn.Linear {n:.1f} us "
           f"({q / n:.2f}x)")
     assert q <= 1.5 * n, f"qbl's host time per call {q:.1f} us > 1.5 x nn.Linear's {n:.1f} us"
