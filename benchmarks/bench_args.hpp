@@ -69,7 +69,7 @@ inline void print_usage(const char* argv0) {
       "  --device N         CUDA device (default 0)\n"
       "  --no-graph         skip the CUDA-graph replays of launch-bound shapes\n"
       "  --no-train         skip the training items (forward + backward and its floor)\n"
-      "  --gemm-probe       also time the bare GEMM planned the ways qbl::LinearGemm plans it\n"
+      "  --gemm-probe       also time the bare GEMM planned the ways qbl::GemmPlan plans it\n"
       "                     (heuristic asked for 4 results, no bias pointer while asking,\n"
       "                     explicit 256-byte alignment preferences) and the layer's own GEMM\n"
       "dtypes: fp32 and tf32 run float tensors (tf32: both GEMMs in "

@@ -72,7 +72,7 @@ struct Options {
 
   /// The bias gradient from the wgrad GEMM's CUBLASLT_EPILOGUE_BGRADB, or from qbl's column-sum
   /// kernel over grad_out. by_shape: the column sum, for now at every shape
-  /// (qbl::BackwardPlan::bias_from_epilogue() says which; benchmarks/RESULTS.md has the
+  /// (qbl::BackwardPlan::bias_from_epilogue() says which; benchmarks/HISTORY.md has the
   /// measurements). Both are deterministic, in different
   /// summation orders: the choice can change grad_bias's last bits.
   Choice bias_from_epilogue = Choice::by_shape;

@@ -30,7 +30,7 @@ inline int plan_device(std::int64_t in_features, std::int64_t out_features, std:
 /// wgrad beside dgrad (Options::overlap_wgrad = by_shape): up to the token count at which the
 /// two products together pass `overlap_max_macs` multiply-adds. Measured on an H200 (qbl_bench's
 /// train_overlap against train_serial, bf16 and fp32, from 1x8x1024 to 4x4096x4096,
-/// benchmarks/RESULTS.md): beside each other was faster at 10 of the 12 shape/dtype pairs, up to
+/// benchmarks/HISTORY.md): beside each other was faster at 10 of the 12 shape/dtype pairs, up to
 /// 5 % (wgrad's time hides behind dgrad and the element kernel even where each GEMM fills the
 /// GPU), and 2.2 % and 0.5 % slower at the two smallest bf16 shapes, where a step takes 30-80 us
 /// and the fork's two event calls weigh; no crossover in size has been measured and the limit
@@ -49,7 +49,7 @@ inline std::int64_t overlap_tokens(Choice choice, std::int64_t in, std::int64_t 
 /// The bias gradient's source (Options::bias_from_epilogue = by_shape): the column sum. With
 /// cuBLASLt 13.1 on an H200 the BGRADB epilogue of the wgrad product runs as a separate kernel
 /// (globalKernelBgradAB_v2). Against an earlier column sum (one row in flight) the train steps
-/// with BGRADB were 1-3 % faster in bf16 and within 0.8 % in fp32 (benchmarks/RESULTS.md); the
+/// with BGRADB were 1-3 % faster in bf16 and within 0.8 % in fp32 (benchmarks/HISTORY.md); the
 /// column sum was rewritten since (eight rows in flight) and the two are to be measured again
 /// before by_shape picks per shape.
 inline bool bias_from_epilogue(Choice choice) { return choice == Choice::yes; }
