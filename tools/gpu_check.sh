@@ -7,7 +7,8 @@
 # at the end says what passed.
 #
 #   tools/gpu_check.sh [stage ...]   stages: build test sanitize seeds package pytest compare
-#                                    train sharded bench (default: all)
+#                                    train train_serial sharded bench (default: all but
+#                                    train_serial)
 #
 # Environment: LOGDIR (default build-gpu/logs), BUILD (default build-gpu), JOBS (default nproc),
 # PYTHON (default python3), COMPARE_ARGS / TRAIN_ARGS / BENCH_ARGS / PYTEST_ARGS (extra
@@ -111,6 +112,19 @@ if has train; then
   note "train_qat.py ${TRAIN_ARGS:-} (rc $rc, $(secs $t) s): $(tail -n 1 "$LOGDIR/train.err")"
   grep -E '^(##|\|)' "$LOGDIR/train.log" | head -n 60
   [ "$rc" -eq 0 ] || tail -n 30 "$LOGDIR/train.err"
+fi
+
+# The model step with wgrad after dgrad on the caller's stream (QBL_OVERLAP_WGRAD=0), timings only:
+# its qbl columns against the train stage's, each against the compiled reference of its own run.
+if has train_serial; then
+  t=$(date +%s)
+  QBL_OVERLAP_WGRAD=0 timeout "${TRAIN_S:-900}" "$PYTHON" examples/pytorch/train_qat.py --plot '' \
+    --curve-precisions none --json "$LOGDIR/train_serial.json" ${TRAIN_ARGS:-} \
+    >"$LOGDIR/train_serial.log" 2>"$LOGDIR/train_serial.err"
+  rc=$?
+  note "train_qat.py QBL_OVERLAP_WGRAD=0 ${TRAIN_ARGS:-} (rc $rc, $(secs $t) s): $(tail -n 1 "$LOGDIR/train_serial.err")"
+  grep -E '^(##|\|)' "$LOGDIR/train_serial.log" | head -n 30
+  [ "$rc" -eq 0 ] || tail -n 30 "$LOGDIR/train_serial.err"
 fi
 
 if has sharded; then
