@@ -239,25 +239,9 @@ TYPED_TEST(QuantBlendDevice16, MatchesCpuOpByOp) {
 
 namespace {
 
-template <typename G, typename L>
-struct MixedTypes {
-  using gemm = G;
-  using logits = L;
-};
-using MixedTypeList =
-    ::testing::Types<MixedTypes<__nv_bfloat16, float>, MixedTypes<__nv_bfloat16, __nv_bfloat16>,
-                     MixedTypes<__half, float>, MixedTypes<__half, __half>>;
-struct MixedTypeNames {
-  template <typename M>
-  static std::string GetName(int) {
-    return std::string("fp32_to_") + qbl_test::dtype_name(qbl_test::dtype_of<typename M::gemm>()) +
-           "_logits_" + qbl_test::dtype_name(qbl_test::dtype_of<typename M::logits>());
-  }
-};
-
 template <typename M>
 class QuantBlendMixedTypes : public ::testing::Test {};
-TYPED_TEST_SUITE(QuantBlendMixedTypes, MixedTypeList, MixedTypeNames);
+TYPED_TEST_SUITE(QuantBlendMixedTypes, qbl_test::MixedTypeList, qbl_test::MixedTypeNames);
 
 // alpha and 1 - alpha rounded to the logits' type, the blend in fp32, mixed rounded once to the
 // GEMM's type: eager's mixed.to(G) under autocast, bit for bit, both prologues, vector and

@@ -434,25 +434,9 @@ TEST(QuantBlendLinearTf32, AllowTf32RunsTheFastModeWithinItsTolerance) {
 
 namespace {
 
-template <typename G, typename L>
-struct LayerTypes {
-  using gemm = G;
-  using logits = L;
-};
-using MixedLayerTypes =
-    ::testing::Types<LayerTypes<__nv_bfloat16, float>, LayerTypes<__nv_bfloat16, __nv_bfloat16>,
-                     LayerTypes<__half, float>, LayerTypes<__half, __half>>;
-struct MixedLayerNames {
-  template <typename M>
-  static std::string GetName(int) {
-    return std::string("fp32_to_") + qbl_test::dtype_name(qbl_test::dtype_of<typename M::gemm>()) +
-           "_logits_" + qbl_test::dtype_name(qbl_test::dtype_of<typename M::logits>());
-  }
-};
-
 template <typename M>
 class QuantBlendLinearMixed : public ::testing::Test {};
-TYPED_TEST_SUITE(QuantBlendLinearMixed, MixedLayerTypes, MixedLayerNames);
+TYPED_TEST_SUITE(QuantBlendLinearMixed, qbl_test::MixedTypeList, qbl_test::MixedTypeNames);
 
 // fp32 x (and fp32 or 16-bit logits) into a 16-bit GEMM: mixed is eager's mixed.to(G) under
 // autocast bit for bit (the cast fused into the prologue), amax and scale fp32's, and out as
