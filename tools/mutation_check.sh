@@ -17,7 +17,9 @@
 # Environment: SCRATCH (default: a new temporary folder, removed at the end unless KEEP=1),
 # JOBS (default: nproc), CUDA_ARCHS (default 90), CPU_TESTS (the CPU mode's binaries),
 # CTEST_ARGS (extra ctest arguments in --gpu mode, e.g. "-E Huge"), MUTANT_S (time limit per
-# mutant's test run in seconds, default 1800).
+# mutant's test run in seconds, default 1800). GPU_TESTS (--gpu mode): build and run only these
+# test binaries, each as GPU_SHARDS (default 4) gtest shards at once, instead of the whole ctest
+# (ctest starts a process per test: most of its time is process and CUDA start-up).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 mode=cpu
@@ -136,17 +138,21 @@ cmake -S "$src" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DQBL_BUILD_BENCHMARKS=OFF >"$logs/configure.log" 2>&1 ||
   { echo "configure failed: $logs/configure.log" >&2; exit 1; }
 
-cpu_targets=()
-if [ $mode = cpu ]; then
-  for t in $CPU_TESTS; do
-    grep -q "qbl_add_test($t " "$src/tests/CMakeLists.txt" && cpu_targets+=("$t")
-  done
-  echo "CPU test binaries: ${cpu_targets[*]}"
-fi
+# The binaries run directly (CPU mode, or --gpu with GPU_TESTS); none: the whole ctest.
+targets=()
+wanted_binaries=$([ $mode = cpu ] && echo "$CPU_TESTS" || echo "${GPU_TESTS:-}")
+for t in $wanted_binaries; do
+  if grep -q "qbl_add_test($t " "$src/tests/CMakeLists.txt"; then
+    targets+=("$t")
+  else
+    echo "no test binary $t in tests/CMakeLists.txt" >&2; exit 2
+  fi
+done
+[ ${#targets[@]} -eq 0 ] || echo "test binaries: ${targets[*]}"
 
 build_all() {  # log
-  if [ $mode = cpu ]; then
-    cmake --build "$build" -j"$JOBS" --target "${cpu_targets[@]}" >"$1" 2>&1
+  if [ ${#targets[@]} -gt 0 ]; then
+    cmake --build "$build" -j"$JOBS" --target "${targets[@]}" >"$1" 2>&1
   else
     cmake --build "$build" -j"$JOBS" >"$1" 2>&1
   fi
@@ -157,9 +163,23 @@ run_tests() {  # log
   local log=$1 rc=0 t
   : >"$log"
   if [ $mode = cpu ]; then
-    for t in "${cpu_targets[@]}"; do
+    for t in "${targets[@]}"; do
       env -u QBL_REQUIRE_GPU timeout "${MUTANT_S:-1800}" "$build/tests/$t" --gtest_color=no \
         >>"$log" 2>&1 || rc=1
+    done
+  elif [ ${#targets[@]} -gt 0 ]; then
+    # Every binary's shards at once; each writes its own log, appended in order afterwards.
+    local shards=${GPU_SHARDS:-4} pids=() i
+    for t in "${targets[@]}"; do
+      for ((i = 0; i < shards; i++)); do
+        QBL_REQUIRE_GPU=1 GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i \
+          timeout "${MUTANT_S:-1800}" "$build/tests/$t" --gtest_color=no >"$log.$t.$i" 2>&1 &
+        pids+=($!)
+      done
+    done
+    for i in "${pids[@]}"; do wait "$i" || rc=1; done
+    for t in "${targets[@]}"; do
+      for ((i = 0; i < shards; i++)); do cat "$log.$t.$i" >>"$log" && rm -f "$log.$t.$i"; done
     done
   else
     # shellcheck disable=SC2086
