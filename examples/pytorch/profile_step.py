@@ -75,7 +75,21 @@ def host_us_per_call(fn, calls: int = 200) -> float:
     return statistics.median(times)
 
 
-def layer_host_times(d: int, tokens: int, out) -> None:
+def host_events(fn, rows: int, calls: int = 40) -> str:
+    """The host-side events (operators, CUDA runtime calls) of fn() by self time per call."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type != torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return ", ".join(f"{e.key} {e.self_cpu_time_total / calls:.1f} ({e.count / calls:g})"
+                     for e in events[:rows])
+
+
+def layer_host_times(d: int, tokens: int, out, rows: int = 0) -> None:
     for precision in ("bf16", "autocast"):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         x = torch.randn(tokens, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -101,6 +115,10 @@ def layer_host_times(d: int, tokens: int, out) -> None:
         qt, lt = host_us_per_call(qbl_call), host_us_per_call(linear_call)
         out.write(f"layer {tokens}x{d}->{4 * d} {precision}: host per fwd+bwd call: qbl {qt:.1f} "
                   f"us, nn.Linear {lt:.1f} us ({qt / lt:.2f}x)\n")
+        if rows:
+            for name, f in (("qbl", qbl_call), ("nn.Linear", linear_call)):
+                out.write(f"  {name} {precision}, host events per fwd+bwd call (self us, calls): "
+                          + host_events(f, rows) + "\n")
 
 
 def main() -> int:
@@ -113,12 +131,14 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=14)
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--no-layer", action="store_true", help="skip the one-layer host times")
+    ap.add_argument("--layer-rows", type=int, default=0,
+                    help="also list this many of one layer call's host events (profiled)")
     args = ap.parse_args()
     out = sys.stdout
     ns = argparse.Namespace(vocab=4096, blocks=4, batch=8, seq=1024, seed=0, lr=args.lr)
     batches, _ = train_qat.make_batches(8, ns)
     if not args.no_layer:
-        layer_host_times(args.d, ns.batch * ns.seq, out)
+        layer_host_times(args.d, ns.batch * ns.seq, out, args.layer_rows)
     for precision in args.precision.split(","):
         models = train_qat.Models(ns, args.d, precision)
         for name in args.variants.split(","):
@@ -126,6 +146,10 @@ def main() -> int:
             out.write(f"D={args.d} {precision} {variant} {mode}:\n")
             step = train_qat.make_step(*models.get(variant, mode), precision, models.lr)
             profile_variant(step, batches, args.steps, args.rows, out)
+            if mode == "compile":
+                c = torch._dynamo.utils.counters
+                out.write(f"  dynamo: graphs {dict(c['stats'])}, graph breaks "
+                          f"{sum(c['graph_break'].values())} {dict(c['graph_break'])}\n")
             out.flush()
         del models
         torch._dynamo.reset()
