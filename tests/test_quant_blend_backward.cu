@@ -574,4 +574,55 @@ TEST(QuantBlendBackwardAccuracy, GradLogitsNoWorseThanPlainFp32Sums) {
   }
 }
 
+// Rows where a plain fp32 sum drifts: x = [1, c, c, ..., c] with g = [0, 1, 1, ..., 1] (the 1
+// sets amax and adds nothing), so each of the two row sums adds D - 1 equal terms (x_q = q, or c)
+// and grad_alpha is (D - 1)(q - c), a difference 36 to 900 times smaller than either sum.
+// Recursive fp32 summation of equal terms errs by a fixed amount per term; a compensated sum by
+// about 2u of its total however many terms there are. At D = 16384 (512 terms per lane of the
+// row's warp) plain fp32 sums in the kernel's order miss the tight interval below by 4 to 14
+// times its half-width for every c here (a model of that order in numpy float32); the compensated
+// ones lie within it, deterministically: these inputs have no seed.
+template <typename G>
+void drifting_rows() {
+  constexpr std::int64_t f = 16384;
+  const std::vector<float> cs = {0.1f, 0.3f, 0.7f, 0.123f, 0.0567f, 0.211f};
+  const auto tokens = static_cast<std::int64_t>(cs.size());
+  const auto n = static_cast<std::size_t>(tokens * f);
+  std::vector<float> g(n, 1.0f), x(n);
+  std::vector<float> logits(static_cast<std::size_t>(tokens));
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    std::fill(x.begin() + t * f, x.begin() + (t + 1) * f, cs[t]);
+    x[t * f] = 1.0f;
+    g[t * f] = 0.0f;
+    logits[t] = 0.25f * static_cast<float>(t) - 0.5f;
+  }
+  const float scale = qbl_test::reference_scale(DType::fp32, qbl_test::reference_amax(x));
+  qbl_test::DeviceArray<G> dg(n);
+  qbl_test::DeviceArray<float> dx(n), dl(tokens), dgl(tokens), dscale(1), dalpha(tokens);
+  QBL_ASSERT_CUDA(qbl_test::to_device(dg.get(), qbl_test::convert<G>(g)));
+  QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(), x));
+  QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(), logits));
+  QBL_ASSERT_CUDA(cudaMemcpy(dscale.get(), &scale, sizeof scale, cudaMemcpyHostToDevice));
+  qbl_test::device_sigmoid_t<float>
+      <<<static_cast<unsigned>((tokens + 255) / 256), 256>>>(dl.get(), dalpha.get(), tokens);
+  QBL_ASSERT_CUDA((qbl::quant_blend_backward<G, float>(dg.get(), dx.get(), dl.get(), dscale.get(),
+                                                       nullptr, dgl.get(), tokens, f)));
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<float> got(tokens), alpha(tokens);
+  QBL_ASSERT_CUDA(qbl_test::to_host(got, dgl.get()));
+  QBL_ASSERT_CUDA(qbl_test::to_host(alpha, dalpha.get()));
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const auto want =
+        qbl_test::reference_grad_logit(DType::fp32, &g[t * f], &x[t * f], f, alpha[t], scale);
+    EXPECT_TRUE(want.admits(got[t]))
+        << "c = " << cs[t] << ": grad_logits " << got[t] << ", expected " << want.expected();
+  }
+}
+
+TEST(QuantBlendBackwardAccuracy, CompensatedSumsKeepWhatPlainSumsDrop) {
+  QBL_REQUIRE_GPU();
+  drifting_rows<float>();
+  drifting_rows<__nv_bfloat16>();
+}
+
 }  // namespace
