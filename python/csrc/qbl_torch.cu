@@ -652,6 +652,9 @@ class LayerFunction : public torch::autograd::Function<LayerFunction> {
     ctx->saved_data["straight_through"] = straight_through;
     ctx->saved_data["allow_tf32"] = allow_tf32;
     ctx->mark_non_differentiable({mixed, stats});
+    // The gradients of mixed and stats are always undefined: not materialized as zeros (two
+    // allocations and fills of mixed's size per backward otherwise).
+    ctx->set_materialize_grads(false);
     return {out, mixed, stats};
   }
 
@@ -659,6 +662,9 @@ class LayerFunction : public torch::autograd::Function<LayerFunction> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const Tensor& x = saved[0];
+    // out's gradient undefined (out reached no loss): every input's gradient is zero, which
+    // autograd writes as undefined.
+    if (!grads[0].defined()) return torch::autograd::variable_list(8);
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     const std::array<bool, 4> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                       ctx->needs_input_grad(2),
