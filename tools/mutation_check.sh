@@ -4,6 +4,8 @@
 # that can fail.
 #
 #   tools/mutation_check.sh [--gpu] [--list] [mutant ...]      (default: every mutant)
+#   tools/mutation_check.sh --gpu --save-binaries DIR [mutant ...]   (build only, any machine)
+#   tools/mutation_check.sh --run-saved DIR                          (run only, on a GPU)
 #
 # CPU mode (default): builds only the test binaries that test something without a GPU and runs
 # them (their GPU tests skip); mutants of device-only code are listed as not run. --gpu (on a GPU
@@ -20,20 +22,32 @@
 # mutant's test run in seconds, default 1800). GPU_TESTS (--gpu mode): build and run only these
 # test binaries, each as GPU_SHARDS (default 4) gtest shards at once, instead of the whole ctest
 # (ctest starts a process per test: most of its time is process and CUDA start-up).
+# Split between machines (the builds take most of the time, and need no GPU): --save-binaries DIR
+# (with --gpu and GPU_TESTS) builds the unmutated copy and every mutant and copies their GPU_TESTS
+# binaries to DIR/baseline and DIR/<mutant>, running nothing; --run-saved DIR runs them on a GPU
+# machine (baseline first: it must pass), with the same report.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 mode=cpu
 list_only=0
+save_dir=
+run_dir=
 wanted=()
-for a in "$@"; do
-  case "$a" in
+while [ $# -gt 0 ]; do
+  case "$1" in
     --gpu) mode=gpu ;;
     --list) list_only=1 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-    -*) echo "unknown option $a" >&2; exit 2 ;;
-    *) wanted+=("$a") ;;
+    --save-binaries) save_dir=${2:?--save-binaries needs a folder}; shift ;;
+    --run-saved) run_dir=${2:?--run-saved needs a folder}; mode=gpu; shift ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -*) echo "unknown option $1" >&2; exit 2 ;;
+    *) wanted+=("$1") ;;
   esac
+  shift
 done
+if [ -n "$save_dir" ] && { [ $mode != gpu ] || [ -z "${GPU_TESTS:-}" ]; }; then
+  echo "--save-binaries needs --gpu and GPU_TESTS (the binaries to save)" >&2; exit 2
+fi
 JOBS=${JOBS:-$(nproc)}
 CPU_TESTS=${CPU_TESTS:-"test_element_math test_quant_blend_math test_quant_blend_backward test_quant_blend_linear_properties test_quant_blend_linear_backward"}
 
@@ -111,6 +125,84 @@ m_prologue_one_partial() {
 table() { awk -F'|' '{ printf "%-20s %-6s %s\n", $1, $2, $3; if (NF > 3) printf "%28s%s\n", "", $4 }'; }
 if [ $list_only = 1 ]; then printf '%s\n' "${mutants[@]}" | table; exit 0; fi
 
+# Runs the tests (the binaries in BIN, default the build's); returns non-zero when some test failed.
+run_tests() {  # log [bin]
+  local log=$1 bin=${2:-$build/tests} rc=0 t
+  : >"$log"
+  if [ $mode = cpu ]; then
+    for t in "${targets[@]}"; do
+      env -u QBL_REQUIRE_GPU timeout "${MUTANT_S:-1800}" "$bin/$t" --gtest_color=no \
+        >>"$log" 2>&1 || rc=1
+    done
+  elif [ ${#targets[@]} -gt 0 ]; then
+    # Every binary's shards at once; each writes its own log, appended in order afterwards.
+    local shards=${GPU_SHARDS:-4} pids=() i
+    for t in "${targets[@]}"; do
+      for ((i = 0; i < shards; i++)); do
+        QBL_REQUIRE_GPU=1 GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i \
+          timeout "${MUTANT_S:-1800}" "$bin/$t" --gtest_color=no >"$log.$t.$i" 2>&1 &
+        pids+=($!)
+      done
+    done
+    for i in "${pids[@]}"; do wait "$i" || rc=1; done
+    for t in "${targets[@]}"; do
+      for ((i = 0; i < shards; i++)); do cat "$log.$t.$i" >>"$log" && rm -f "$log.$t.$i"; done
+    done
+  else
+    # shellcheck disable=SC2086
+    QBL_REQUIRE_GPU=1 timeout "${MUTANT_S:-1800}" ctest --test-dir "$build" -j"${TEST_JOBS:-4}" \
+      --timeout 900 -LE package --stop-on-failure ${CTEST_ARGS:-} >"$log" 2>&1 || rc=1
+  fi
+  return $rc
+}
+
+# "N failing: A, B, ..." -- the count and the first two names, from gtest's or ctest's summary.
+failing_tests() {  # log
+  local names n
+  names=$({ grep -Eo '^\[  FAILED  \] [A-Za-z_][^ ,]*' "$1" | awk '{print $NF}'
+            grep -Eo '[0-9]+ - [^ ]+ \((Failed|Timeout|Exception|SEGFAULT|Subprocess aborted)\)' "$1" |
+              awk '{print $3}'; } | sort -u)
+  n=$(printf '%s\n' "$names" | grep -c . || true)
+  echo "$n failing: $(printf '%s\n' "$names" | head -n 2 | paste -sd, - | sed 's/,/, /g')$([ "$n" -gt 2 ] && echo ", ...")"
+}
+
+# ---- --run-saved: the binaries another machine built ---------------------------------------
+if [ -n "$run_dir" ]; then
+  [ -d "$run_dir/baseline" ] || { echo "no $run_dir/baseline: build with --save-binaries first" >&2; exit 2; }
+  logs=$(mktemp -d "${TMPDIR:-/tmp}/qbl-mutants-logs.XXXXXX")
+  targets=()
+  for f in "$run_dir"/baseline/*; do [ -x "$f" ] && targets+=("$(basename "$f")"); done
+  [ ${#targets[@]} -gt 0 ] || { echo "no binaries in $run_dir/baseline" >&2; exit 2; }
+  echo "saved binaries: ${targets[*]}, logs: $logs"
+  t0=$(date +%s)
+  if ! run_tests "$logs/baseline-test.log" "$run_dir/baseline"; then
+    echo "baseline FAILS ($(failing_tests "$logs/baseline-test.log")): $logs/baseline-test.log" >&2
+    exit 1
+  fi
+  echo "baseline passes ($(( $(date +%s) - t0 )) s)"
+  results=()
+  survivors=0
+  for entry in "${mutants[@]}"; do
+    IFS='|' read -r name where what <<<"$entry"
+    if [ ${#wanted[@]} -gt 0 ] && ! printf '%s\n' "${wanted[@]}" | grep -qx "$name"; then continue; fi
+    [ -d "$run_dir/$name" ] || continue
+    start=$(date +%s)
+    if run_tests "$logs/$name-test.log" "$run_dir/$name"; then
+      results+=("$name|$where|SURVIVED ($(( $(date +%s) - start )) s)|$what")
+      survivors=$((survivors + 1))
+    else
+      results+=("$name|$where|caught, $(failing_tests "$logs/$name-test.log") ($(( $(date +%s) - start )) s)|$what")
+    fi
+    echo "${results[-1]}"
+  done
+  echo
+  echo "==== mutants (saved binaries, $(( $(date +%s) - t0 )) s)"
+  { echo "mutant|code|result|bug"; printf '%s\n' "${results[@]}"; } | table
+  [ ${#results[@]} -gt 0 ] || { echo "no mutant's binaries in $run_dir" >&2; exit 1; }
+  [ "$survivors" -eq 0 ]
+  exit
+fi
+
 # ---- scratch copy and build -----------------------------------------------------------------
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
 scratch=${SCRATCH:-$(mktemp -d "${TMPDIR:-/tmp}/qbl-mutants.XXXXXX")}
@@ -158,55 +250,20 @@ build_all() {  # log
   fi
 }
 
-# Runs the tests; prints the first failing tests' names; returns non-zero when some test failed.
-run_tests() {  # log
-  local log=$1 rc=0 t
-  : >"$log"
-  if [ $mode = cpu ]; then
-    for t in "${targets[@]}"; do
-      env -u QBL_REQUIRE_GPU timeout "${MUTANT_S:-1800}" "$build/tests/$t" --gtest_color=no \
-        >>"$log" 2>&1 || rc=1
-    done
-  elif [ ${#targets[@]} -gt 0 ]; then
-    # Every binary's shards at once; each writes its own log, appended in order afterwards.
-    local shards=${GPU_SHARDS:-4} pids=() i
-    for t in "${targets[@]}"; do
-      for ((i = 0; i < shards; i++)); do
-        QBL_REQUIRE_GPU=1 GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i \
-          timeout "${MUTANT_S:-1800}" "$build/tests/$t" --gtest_color=no >"$log.$t.$i" 2>&1 &
-        pids+=($!)
-      done
-    done
-    for i in "${pids[@]}"; do wait "$i" || rc=1; done
-    for t in "${targets[@]}"; do
-      for ((i = 0; i < shards; i++)); do cat "$log.$t.$i" >>"$log" && rm -f "$log.$t.$i"; done
-    done
-  else
-    # shellcheck disable=SC2086
-    QBL_REQUIRE_GPU=1 timeout "${MUTANT_S:-1800}" ctest --test-dir "$build" -j"${TEST_JOBS:-4}" \
-      --timeout 900 -LE package --stop-on-failure ${CTEST_ARGS:-} >"$log" 2>&1 || rc=1
-  fi
-  return $rc
-}
-
-# "N failing: A, B, ..." -- the count and the first two names, from gtest's or ctest's summary.
-failing_tests() {  # log
-  local names n
-  names=$({ grep -Eo '^\[  FAILED  \] [A-Za-z_][^ ,]*' "$1" | awk '{print $NF}'
-            grep -Eo '[0-9]+ - [^ ]+ \((Failed|Timeout|Exception|SEGFAULT|Subprocess aborted)\)' "$1" |
-              awk '{print $3}'; } | sort -u)
-  n=$(printf '%s\n' "$names" | grep -c . || true)
-  echo "$n failing: $(printf '%s\n' "$names" | head -n 2 | paste -sd, - | sed 's/,/, /g')$([ "$n" -gt 2 ] && echo ", ...")"
-}
-
 t0=$(date +%s)
+# save NAME: copies the built GPU_TESTS binaries to save_dir/NAME (--save-binaries).
+save() {
+  rm -rf "${save_dir:?}/$1" && mkdir -p "$save_dir/$1" && for t in "${targets[@]}"; do cp "$build/tests/$t" "$save_dir/$1/"; done
+}
 echo "baseline (no mutant): building ..."
 build_all "$logs/baseline-build.log" || { echo "baseline build failed: $logs/baseline-build.log" >&2; exit 1; }
-if ! run_tests "$logs/baseline-test.log"; then
+if [ -n "$save_dir" ]; then
+  save baseline
+elif ! run_tests "$logs/baseline-test.log"; then
   echo "baseline FAILS ($(failing_tests "$logs/baseline-test.log")): fix that first; $logs/baseline-test.log" >&2
   exit 1
 fi
-echo "baseline passes ($(( $(date +%s) - t0 )) s)"
+[ -n "$save_dir" ] || echo "baseline passes ($(( $(date +%s) - t0 )) s)"
 
 results=()
 survivors=0
@@ -225,6 +282,9 @@ for entry in "${mutants[@]}"; do
   elif ! build_all "$logs/$name-build.log"; then
     results+=("$name|$where|BUILD FAILED ($logs/$name-build.log)|$what")
     survivors=$((survivors + 1))
+  elif [ -n "$save_dir" ]; then
+    save "$name"
+    results+=("$name|$where|built, saved to $save_dir/$name ($(( $(date +%s) - start )) s)|$what")
   elif run_tests "$logs/$name-test.log"; then
     results+=("$name|$where|SURVIVED ($(( $(date +%s) - start )) s)|$what")
     survivors=$((survivors + 1))
