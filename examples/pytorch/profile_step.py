@@ -5,9 +5,13 @@ and backward against nn.Linear's.
 
     python3 examples/pytorch/profile_step.py                       # D = 1024, bf16 and autocast
     python3 examples/pytorch/profile_step.py --d 2048 --precision autocast --no-layer
+    python3 examples/pytorch/profile_step.py --d 2048 --no-layer --overlap both --timed-rounds 5
 
 Printed per variant: the host time per step (the profiled region's wall time), the GPU's busy time
-per step (the sum of its kernels), and the operators and kernels that take the most of each.
+per step (the sum of its kernels) and active time (the time some kernel runs: overlapping kernels
+count once), the kernels launched per step, and the operators and kernels that take the most of
+each. --overlap both runs qbl's variants with wgrad beside dgrad and after it; --timed-rounds
+times every variant without the profiler first (the A/B of that choice inside a model).
 """
 
 from __future__ import annotations
@@ -34,6 +38,19 @@ def device_us(evt) -> float:
     return getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
 
 
+def gpu_active_us(intervals) -> float:
+    """The time some kernel runs (the union of the kernels' intervals): unlike the busy time (their
+    sum), kernels that overlap count once. Well under the step time: the host sets the pace."""
+    total, start, end = 0.0, None, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += 0.0 if end is None else end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    return total + (0.0 if end is None else end - start)
+
+
 def profile_variant(step, batches, steps: int, rows: int, out) -> tuple:
     for i in range(3):
         step(*batches[i % len(batches)])
@@ -48,9 +65,13 @@ def profile_variant(step, batches, steps: int, rows: int, out) -> tuple:
     kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=device_us, reverse=True)
     busy = sum(device_us(e) for e in kernels) / steps
+    launched = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    active = gpu_active_us([(e.time_range.start, e.time_range.end) for e in launched]) / steps
     cpu = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CUDA),
                  key=lambda e: e.self_cpu_time_total, reverse=True)
-    out.write(f"  host {host * 1e3:.3f} ms per step, GPU busy {busy / 1e3:.3f} ms per step\n")
+    out.write(f"  host {host * 1e3:.3f} ms per step, GPU busy {busy / 1e3:.3f} ms per step, GPU "
+              f"active {active / 1e3:.3f} ms per step, {len(launched) / steps:.0f} kernels per "
+              "step\n")
     out.write("  self CPU per step (us, calls per step): "
               + ", ".join(f"{e.key} {e.self_cpu_time_total / steps:.0f} ({e.count // steps})"
                           for e in cpu[:rows]) + "\n")
@@ -133,29 +154,91 @@ def main() -> int:
     ap.add_argument("--no-layer", action="store_true", help="skip the one-layer host times")
     ap.add_argument("--layer-rows", type=int, default=0,
                     help="also list this many of one layer call's host events (profiled)")
+    ap.add_argument("--overlap", default="by_shape", choices=("by_shape", "off", "both"),
+                    help="qbl's wgrad beside dgrad as its plan decides (QBL_OVERLAP_WGRAD unset), "
+                         "after it (QBL_OVERLAP_WGRAD=0), or each in turn")
+    ap.add_argument("--timed-rounds", type=int, default=0,
+                    help="first time every variant without the profiler, in this many rounds "
+                         "of --round-steps steps, the variants taking turns")
+    ap.add_argument("--round-steps", type=int, default=6)
     args = ap.parse_args()
     out = sys.stdout
     ns = argparse.Namespace(vocab=4096, blocks=4, batch=8, seq=1024, seed=0, lr=args.lr)
     batches, _ = train_qat.make_batches(8, ns)
     if not args.no_layer:
         layer_host_times(args.d, ns.batch * ns.seq, out, args.layer_rows)
+    overlaps = {"by_shape": [None], "off": ["0"], "both": [None, "0"]}[args.overlap]
     for precision in args.precision.split(","):
         models = train_qat.Models(ns, args.d, precision)
-        for name in args.variants.split(","):
-            variant, mode = name.split()
-            out.write(f"D={args.d} {precision} {variant} {mode}:\n")
-            step = train_qat.make_step(*models.get(variant, mode), precision, models.lr)
-            profile_variant(step, batches, args.steps, args.rows, out)
+        names = [n.split() for n in args.variants.split(",")]
+        runs = [(variant, mode, ov) for variant, mode in names
+                for ov in (overlaps if variant == "qbl" else [None])]
+        steps = {}
+        for run in runs:
+            set_overlap(run[2])
+            steps[run] = train_qat.make_step(*models.get(*run[:2]), precision, models.lr)
+        if args.timed_rounds > 0:
+            time_runs(steps, batches, args, out, f"D={args.d} {precision}")
+        for run in runs:
+            variant, mode, ov = run
+            out.write(f"D={args.d} {precision} {variant} {mode}"
+                      f"{'' if variant != 'qbl' else ', overlap ' + overlap_name(ov)}:\n")
+            set_overlap(ov)
+            profile_variant(steps[run], batches, args.steps, args.rows, out)
             if mode == "compile":
                 c = torch._dynamo.utils.counters
                 out.write(f"  dynamo: graphs {dict(c['stats'])}, graph breaks "
                           f"{sum(c['graph_break'].values())} {dict(c['graph_break'])}\n")
             out.flush()
-        del models
+        del models, steps
+        set_overlap(None)
         torch._dynamo.reset()
-        qbl.clear_cache()
         torch.cuda.empty_cache()
     return 0
+
+
+def overlap_name(value) -> str:
+    return "by shape" if value is None else "off"
+
+
+def set_overlap(value) -> None:
+    """QBL_OVERLAP_WGRAD = value (None: unset, the plan decides by shape), read when qbl plans a
+    layer: the cached layers are dropped, and the next call plans them again."""
+    if value is None:
+        os.environ.pop("QBL_OVERLAP_WGRAD", None)
+    else:
+        os.environ["QBL_OVERLAP_WGRAD"] = value
+    qbl.clear_cache()
+
+
+def time_runs(steps, batches, args, out, label: str) -> None:
+    """Every run's ms per step (CUDA events) and host ms per step, medians over interleaved
+    rounds; each round starts with an untimed step (a changed setting plans again there)."""
+    for step in steps.values():  # warm-up: compiling, planning
+        for i in range(3):
+            step(*batches[i % len(batches)])
+    times = {run: ([], []) for run in steps}
+    runs = list(steps)
+    for r in range(args.timed_rounds):
+        for j in range(len(runs)):
+            run = runs[(r + j) % len(runs)]  # the order rotates: none always goes first
+            set_overlap(run[2])
+            steps[run](*batches[0])
+            gpu_ms, host_ms = train_qat.timed_steps(steps[run], batches, args.round_steps,
+                                                    r * args.round_steps)
+            times[run][0].append(gpu_ms)
+            times[run][1].append(host_ms)
+    base = [statistics.median(g) for run, (g, _) in times.items()
+            if run[:2] == ("reference", "compile")]
+    out.write(f"{label}, timed ({args.timed_rounds} rounds of {args.round_steps} steps, "
+              "medians):\n")
+    for (variant, mode, ov), (g, h) in times.items():
+        ms = statistics.median(g)
+        vs = f", reference compiled / this {base[0] / ms:.3f}" if base else ""
+        ov_text = "" if variant != "qbl" else f", overlap {overlap_name(ov)}"
+        out.write(f"  {variant} {mode}{ov_text}: {ms:.3f} ms per step (host "
+                  f"{statistics.median(h):.3f}){vs}; rounds {', '.join(f'{v:.2f}' for v in g)}\n")
+    out.flush()
 
 
 if __name__ == "__main__":
