@@ -220,22 +220,28 @@ TYPED_TEST(QuantBlendLinearBadInputTyped, EveryCaseThrowsItsTypeAndWritesNothing
 // A capture in cudaStreamCaptureModeGlobal prohibits every potentially unsafe call during it:
 // cudaMalloc, synchronous copies and memsets, stream, event and device synchronization all fail
 // the capture. Forward (both overloads) and backward captured that way must end the capture
-// cleanly, and the graph must reproduce the direct calls bit for bit. The first part shows that
-// the mode does catch an allocation (so the check can fail).
+// cleanly, and the graph must reproduce the direct calls bit for bit. The control shows that the
+// mode does catch an allocation (so the check can fail); its refused calls are API errors to
+// compute-sanitizer's memcheck, which leaves it out (tests/run_sanitizers.sh).
+TEST(QuantBlendLinearCapture, GlobalModeRefusesAnAllocation) {
+  QBL_REQUIRE_GPU();
+  cudaStream_t s = nullptr;
+  QBL_ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  QBL_ASSERT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  void* p = nullptr;
+  EXPECT_NE(cudaMalloc(&p, 256), cudaSuccess) << "the capture mode let an allocation through";
+  cudaGraph_t g = nullptr;
+  EXPECT_NE(cudaStreamEndCapture(s, &g), cudaSuccess);
+  if (g != nullptr) cudaGraphDestroy(g);
+  if (p != nullptr) cudaFree(p);
+  cudaGetLastError();
+  cudaStreamDestroy(s);
+}
+
 TEST(QuantBlendLinearCapture, ForwardAndBackwardAllocateNothingAndNeverSynchronize) {
   QBL_REQUIRE_GPU();
   cudaStream_t s = nullptr;
   QBL_ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  {  // the control: an allocation inside a global-mode capture is refused
-    QBL_ASSERT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    void* p = nullptr;
-    EXPECT_NE(cudaMalloc(&p, 256), cudaSuccess) << "the capture mode let an allocation through";
-    cudaGraph_t g = nullptr;
-    EXPECT_NE(cudaStreamEndCapture(s, &g), cudaSuccess);
-    if (g != nullptr) cudaGraphDestroy(g);
-    if (p != nullptr) cudaFree(p);
-    cudaGetLastError();
-  }
   const std::int64_t tokens = 96, in = 160, out = 72;
   const std::uint64_t seed = qbl_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
