@@ -166,6 +166,13 @@ failing_tests() {  # log
   echo "$n failing: $(printf '%s\n' "$names" | head -n 2 | paste -sd, - | sed 's/,/, /g')$([ "$n" -gt 2 ] && echo ", ...")"
 }
 
+# The table of results (global `results`), after a heading with `what` and the time since t0.
+report() {  # what
+  echo
+  echo "==== mutants ($1, $(( $(date +%s) - t0 )) s)"
+  { echo "mutant|code|result|bug"; printf '%s\n' "${results[@]}"; } | table
+}
+
 # ---- --run-saved: the binaries another machine built ---------------------------------------
 if [ -n "$run_dir" ]; then
   [ -d "$run_dir/baseline" ] || { echo "no $run_dir/baseline: build with --save-binaries first" >&2; exit 2; }
@@ -195,9 +202,7 @@ if [ -n "$run_dir" ]; then
     fi
     echo "${results[-1]}"
   done
-  echo
-  echo "==== mutants (saved binaries, $(( $(date +%s) - t0 )) s)"
-  { echo "mutant|code|result|bug"; printf '%s\n' "${results[@]}"; } | table
+  report "saved binaries"
   [ ${#results[@]} -gt 0 ] || { echo "no mutant's binaries in $run_dir" >&2; exit 1; }
   [ "$survivors" -eq 0 ]
   exit
@@ -298,7 +303,5 @@ for entry in "${mutants[@]}"; do
   echo "${results[-1]}"
 done
 
-echo
-echo "==== mutants ($mode mode, $(( $(date +%s) - t0 )) s)"
-{ echo "mutant|code|result|bug"; printf '%s\n' "${results[@]}"; } | table
+report "$mode mode"
 [ "$survivors" -eq 0 ]
