@@ -154,9 +154,10 @@ def main() -> int:
     ap.add_argument("--no-layer", action="store_true", help="skip the one-layer host times")
     ap.add_argument("--layer-rows", type=int, default=0,
                     help="also list this many of one layer call's host events (profiled)")
-    ap.add_argument("--overlap", default="by_shape", choices=("by_shape", "off", "both"),
-                    help="qbl's wgrad beside dgrad as its plan decides (QBL_OVERLAP_WGRAD unset), "
-                         "after it (QBL_OVERLAP_WGRAD=0), or each in turn")
+    ap.add_argument("--overlap", default="env", choices=("env", "by_shape", "off", "both"),
+                    help="qbl's wgrad as the environment's QBL_OVERLAP_WGRAD says (default), "
+                         "beside dgrad as its plan decides (QBL_OVERLAP_WGRAD unset), after it "
+                         "(QBL_OVERLAP_WGRAD=0), or each of the last two in turn")
     ap.add_argument("--timed-rounds", type=int, default=0,
                     help="first time every variant without the profiler, in this many rounds "
                          "of --round-steps steps, the variants taking turns")
@@ -167,7 +168,8 @@ def main() -> int:
     batches, _ = train_qat.make_batches(8, ns)
     if not args.no_layer:
         layer_host_times(args.d, ns.batch * ns.seq, out, args.layer_rows)
-    overlaps = {"by_shape": [None], "off": ["0"], "both": [None, "0"]}[args.overlap]
+    overlaps = {"env": [KEEP], "by_shape": [None], "off": ["0"],
+                "both": [None, "0"]}[args.overlap]
     for precision in args.precision.split(","):
         models = train_qat.Models(ns, args.d, precision)
         names = [n.split() for n in args.variants.split(",")]
@@ -191,19 +193,26 @@ def main() -> int:
                           f"{sum(c['graph_break'].values())} {dict(c['graph_break'])}\n")
             out.flush()
         del models, steps
-        set_overlap(None)
+        qbl.clear_cache()
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     return 0
 
 
+KEEP = "keep"  # an overlap setting: QBL_OVERLAP_WGRAD as the environment has it
+
+
 def overlap_name(value) -> str:
+    if value == KEEP:
+        return "as QBL_OVERLAP_WGRAD says" if os.environ.get("QBL_OVERLAP_WGRAD") else "by shape"
     return "by shape" if value is None else "off"
 
 
 def set_overlap(value) -> None:
-    """QBL_OVERLAP_WGRAD = value (None: unset, the plan decides by shape), read when qbl plans a
-    layer: the cached layers are dropped, and the next call plans them again."""
+    """QBL_OVERLAP_WGRAD = value (None: unset, the plan decides by shape; KEEP: as it is), read
+    when qbl plans a layer: the cached layers are dropped, and the next call plans them again."""
+    if value == KEEP:
+        return
     if value is None:
         os.environ.pop("QBL_OVERLAP_WGRAD", None)
     else:
