@@ -827,11 +827,18 @@ TEST(QuantBlendLinearDeterminism, SameBitsAcrossProcesses) {
   for (int child = 0; child < 2; ++child) {
     const std::string path = ::testing::TempDir() + "qbl_determinism_" + std::to_string(child);
     std::remove(path.c_str());
-    const std::string cmd = "QBL_DETERMINISM_OUT='" + path + "' '" + self +
-                            "' --gtest_filter=QuantBlendLinearDeterminism."
-                            "SameBitsAcrossProcesses > /dev/null 2>&1";
+    // The child runs this one test whatever gtest's sharding or output settings this process
+    // was given: with GTEST_TOTAL_SHARDS inherited it would run no test in most shards, and with
+    // GTEST_OUTPUT it would overwrite this process's report.
+    const std::string cmd =
+        "env -u GTEST_TOTAL_SHARDS -u GTEST_SHARD_INDEX -u GTEST_SHARD_STATUS_FILE"
+        " -u GTEST_OUTPUT QBL_DETERMINISM_OUT='" +
+        path + "' '" + self +
+        "' --gtest_filter=QuantBlendLinearDeterminism."
+        "SameBitsAcrossProcesses > /dev/null 2>&1";
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
     std::ifstream f(path, std::ios::binary);
+    ASSERT_TRUE(f.is_open()) << "child " << child << " wrote nothing: " << cmd;
     const std::vector<char> theirs((std::istreambuf_iterator<char>(f)),
                                    std::istreambuf_iterator<char>());
     ASSERT_EQ(theirs.size(), mine.size()) << "child " << child;
