@@ -5,8 +5,9 @@
 #
 #   tests/run_sanitizers.sh [build-dir] [tool ...]        (default: build, all four tools)
 #
-# Every kernel is instrumented, cuBLASLt's included (a kernel filter would skip the others'
-# launches altogether). racecheck, initcheck and synccheck leave out the tests that autotune the
+# Every kernel is instrumented, cuBLASLt's included. A kernel filter is no way to save time:
+# with --kernel-name kns=qbl, racecheck failed to handle hardware exceptions in the layer tests
+# whose GEMMs are 16-bit or TF32 (error 700 from then on), measured on an H200. racecheck, initcheck and synccheck leave out the tests that autotune the
 # GEMM (hundreds of timed cuBLASLt runs, no qbl kernel among them) and the test of the backward
 # plan's choices (LayerPlans.TheBackwardPlanChoosesByShapeUnlessForced: it plans for up to 8192
 # tokens at 4096 x 1024, whose only GPU work is cuBLASLt's trial launches); the graph test replays
@@ -23,7 +24,8 @@
 # patterns (':'-separated); QBL_SANITIZER_ONLY (space-separated binary names) runs only those
 # binaries; QBL_SANITIZER_SHARDS=N runs each binary as N gtest shards in parallel. A few tool
 # processes share one GPU well; dozens do not: with 44 at once on one H200 (16 cores) initcheck
-# of the reliability tests took 282 s, against 3 s as 6 shards alone.
+# of the reliability tests took 282 s, against 3 s as 6 shards alone. racecheck of the
+# layer-level binaries takes minutes even so: 346-520 s each with 14 tool processes at once.
 #
 # Time limits: QBL_SANITIZER_BINARY_S (seconds, default none) bounds each tool-binary run, and a
 # run that reaches it counts as failed; QBL_SANITIZER_DEADLINE (seconds since the epoch) stops
@@ -130,11 +132,12 @@ for tool in "${tools[@]}"; do
       for ((i = 0; i < shards; ++i)); do
         r=0
         wait "${pids[$i]}" || r=$?
-        # A shard that drew only host-side tests makes no CUDA call, and the tool exits 255
-        # saying so: such a shard counts as passed if its tests passed; a binary in which every
-        # shard did so counts as failed below (the tool checked nothing).
+        # A shard that drew only host-side tests, or no test (more shards than tests), makes no
+        # CUDA call, and the tool exits 255 saying so: such a shard counts as passed if its tests
+        # passed; a binary in which every shard did so counts as failed below (the tool checked
+        # nothing), and so does one whose shards ran no test at all.
         if [ "$r" -eq 255 ] && grep -q "$no_cuda_call" "$log.shard$i" &&
-           grep -Eq '^\[  PASSED  \] [1-9]' "$log.shard$i" &&
+           grep -Eq '^\[  PASSED  \] [0-9]+ tests?\.' "$log.shard$i" &&
            ! grep -Eq '^\[  FAILED  \] [0-9]+ tests?,' "$log.shard$i"; then
           host_only=$((host_only + 1))
           r=0
