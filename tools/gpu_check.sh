@@ -12,7 +12,7 @@
 #
 # Environment: LOGDIR (default build-gpu/logs), BUILD (default build-gpu), JOBS (default nproc),
 # PYTHON (default python3), COMPARE_ARGS / TRAIN_ARGS / BENCH_ARGS / PYTEST_ARGS (extra
-# arguments), and per-stage limits in seconds: TEST_S (900), SANITIZE_S (900), SEEDS_S (900),
+# arguments), and per-stage limits in seconds: TEST_S (900), SANITIZE_S (3600), SEEDS_S (900),
 # PACKAGE_S (600), PYTEST_S (900), COMPARE_S (900), TRAIN_S (900), SHARDED_S (600), BENCH_S (900);
 # SHARDED_ARGS for sharded_timing.py.
 # The test, sanitize, seeds and pytest stages run with QBL_REQUIRE_GPU=1: a GPU test fails, not skips, where no
@@ -58,7 +58,10 @@ fi
 
 if has sanitize; then
   t=$(date +%s)
-  QBL_REQUIRE_GPU=1 timeout "${SANITIZE_S:-900}" tests/run_sanitizers.sh "$BUILD" >"$LOGDIR/sanitize.log" 2>&1
+  # 4 gtest shards per binary (a few tool processes at once): racecheck alone takes minutes per
+  # layer-level binary.
+  QBL_REQUIRE_GPU=1 QBL_SANITIZER_SHARDS=${QBL_SANITIZER_SHARDS:-4} timeout "${SANITIZE_S:-3600}" \
+    tests/run_sanitizers.sh "$BUILD" >"$LOGDIR/sanitize.log" 2>&1
   rc=$?
   cp "$BUILD"/sanitizer-*.log "$LOGDIR"/ 2>/dev/null
   note "sanitizers (rc $rc, $(secs $t) s):"
