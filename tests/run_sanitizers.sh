@@ -7,8 +7,9 @@
 #
 # Every kernel is instrumented, cuBLASLt's included. A kernel filter is no way to save time:
 # with --kernel-name kns=qbl, racecheck failed to handle hardware exceptions in the layer tests
-# whose GEMMs are 16-bit or TF32 (error 700 from then on), measured on an H200. racecheck, initcheck and synccheck leave out the tests that autotune the
-# GEMM (hundreds of timed cuBLASLt runs, no qbl kernel among them) and the test of the backward
+# whose GEMMs are 16-bit or TF32 (error 700 from then on), measured on an H200. racecheck,
+# initcheck and synccheck leave out the tests that autotune the GEMM (hundreds of timed
+# cuBLASLt runs, no qbl kernel among them) and the test of the backward
 # plan's choices (LayerPlans.TheBackwardPlanChoosesByShapeUnlessForced: it plans for up to 8192
 # tokens at 4096 x 1024, whose only GPU work is cuBLASLt's trial launches); the graph test replays
 # 200 times instead of 10,000 and the four threads run 5 forwards each instead of 50.
