@@ -183,10 +183,10 @@ QBL_HOST_DEVICE float zero_quant_grad(float scale) { return div_rn(0.0f, scale);
 /// grad_x_value with zero_quant_grad(scale) given.
 template <typename T>
 QBL_HOST_DEVICE float grad_x_from(float g, float alpha, float one_minus_alpha, float zero_grad,
-                                  QuantGrad mode) {
+                                  QuantGrad quant_grad) {
   const float direct = round_to<T>(mul_rn(g, one_minus_alpha));
   const float other =
-      mode == QuantGrad::straight_through ? round_to<T>(mul_rn(g, alpha)) : zero_grad;
+      quant_grad == QuantGrad::straight_through ? round_to<T>(mul_rn(g, alpha)) : zero_grad;
   return round_to<T>(add_rn(other, direct));
 }
 
@@ -200,8 +200,9 @@ QBL_HOST_DEVICE float grad_x_from(float g, float alpha, float one_minus_alpha, f
 /// autograd sums the two paths.
 template <typename T = float>
 QBL_HOST_DEVICE float grad_x_value(float g, float alpha, float one_minus_alpha, float scale,
-                                   QuantGrad mode = QuantGrad::zero) {
-  return detail::grad_x_from<T>(g, alpha, one_minus_alpha, detail::zero_quant_grad(scale), mode);
+                                   QuantGrad quant_grad = QuantGrad::zero) {
+  return detail::grad_x_from<T>(g, alpha, one_minus_alpha, detail::zero_quant_grad(scale),
+                                quant_grad);
 }
 
 /// One term of the per-token sums of grad_alpha: RN_T(g * v) for v = x_q or v = x (eager's

@@ -1,7 +1,7 @@
 // qbl/gemm.cuh -- a thin cuBLASLt wrapper for nn.Linear's three products, row-major: the forward
-// out = a · wᵀ + bias, the input gradient g · w and the weight gradient gᵀ · a with the bias
-// gradient. One plan type, qbl::GemmPlan, parameterized by the transposes and the epilogue
-// (qbl::GemmSpec), with qbl's own fallback kernel inside for what cuBLASLt does not serve.
+// out = a · wᵀ + bias, the input gradient g · w and the weight gradient gᵀ · a. One plan type,
+// qbl::GemmPlan, parameterized by the transposes and the epilogue (qbl::GemmSpec), with qbl's own
+// fallback kernel inside for what cuBLASLt does not serve.
 //
 // Stage 3 of the layer. Row-major [tokens, out] = [tokens, in] · [out, in]ᵀ is computed as the
 // column-major product outᵀ = w · aᵀ (m = out, n = tokens, k = in; A = w transposed, B = a),
@@ -19,6 +19,8 @@
 //   void* ws;  cudaMalloc(&ws, gemm.workspace_bytes());
 //   gemm.run(d_w, d_a, d_out, d_bias, tokens, 0.0f, ws, stream);   // out = a · wᵀ + bias
 #pragma once
+
+#include <qbl/detail/config.cuh>  // first: it stops a non-CUDA compile with one clear error
 
 #include <qbl/detail/handles.hpp>
 #include <qbl/detail/linear_fallback.cuh>
@@ -71,7 +73,7 @@ struct gemm_traits<__half> {
 /// What autotuning measured for one token-count bucket (16-byte-or-better aligned pointers).
 struct GemmTuning {
   std::int64_t tokens = 0;  ///< the bucket's top token count, the size timed
-  bool bias = false;        ///< with the vector epilogue (bias, or bias gradient)
+  bool bias = false;        ///< with the vector epilogue (the bias)
   int candidates = 0;       ///< heuristic candidates that cuBLASLt accepted and were timed
   int chosen = 0;           ///< heuristic rank of the fastest (0: cuBLASLt's first choice)
   float first_ms = 0.0f;    ///< median time of the first-ranked candidate
@@ -87,9 +89,9 @@ struct GemmSpec {
   cublasOperation_t trans_b = CUBLAS_OP_N;
   std::int64_t m = 0, n = 0, k = 0;  ///< the token dimension's value here is ignored
   enum class Tokens { n, k } tokens = Tokens::n;
-  /// CUBLASLT_EPILOGUE_BIAS (adds a vector of m), CUBLASLT_EPILOGUE_BGRADB (writes the sum of
-  /// op(B) over k, a vector of n; op(B) must be B transposed) or CUBLASLT_EPILOGUE_DEFAULT
-  /// (none). A run() with a null vector pointer runs without it.
+  /// CUBLASLT_EPILOGUE_BIAS (adds a vector of m) or CUBLASLT_EPILOGUE_DEFAULT (none). A run()
+  /// with a null vector pointer runs without it. (The bias gradient is qbl::bias_grad's column
+  /// sum, not cuBLASLt's BGRADB epilogue: benchmarks/HISTORY.md has the measurements.)
   cublasLtEpilogue_t vector_epilogue = CUBLASLT_EPILOGUE_DEFAULT;
 
   /// nn.Linear's forward, out[t, o] = a[t, i] · w[o, i] + bias[o]: outᵀ = w(ᵀ) · aᵀ, the TN
@@ -110,18 +112,15 @@ struct GemmSpec {
             CUBLASLT_EPILOGUE_DEFAULT};
   }
   /// Its weight gradient (wgrad), g_w[o, i] = sum_t g[t, o] a[t, i]: the NT product (A = a,
-  /// B = g, D = g_w), with the bias gradient sum_t g[t, o] from BGRADB (vector = grad_bias)
-  /// when `bias_epilogue`: the reduction runs over the GEMM's k, the tokens, on the B operand,
-  /// which is g. (BGRADB is not planned for in_features == 1: see GemmPlan's constructor.)
-  static GemmSpec linear_wgrad(std::int64_t in_features, std::int64_t out_features,
-                               bool bias_epilogue = true) {
+  /// B = g, D = g_w).
+  static GemmSpec linear_wgrad(std::int64_t in_features, std::int64_t out_features) {
     return {CUBLAS_OP_N,
             CUBLAS_OP_T,
             in_features,
             out_features,
             0,
             Tokens::k,
-            bias_epilogue ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT};
+            CUBLASLT_EPILOGUE_DEFAULT};
   }
 };
 
@@ -132,8 +131,8 @@ struct GemmSpec {
 /// bucket, or when (for pointers aligned below 16 bytes) cublasLtMatmul refuses the algorithm
 /// its heuristic offered at a trial launch on scratch operands (seen on an H200: bf16 with a
 /// bias at 2-byte alignment). Where there is none, run() runs qbl's fallback kernel instead: a
-/// plain fp32-accumulating product, deterministic, correct for any size and alignment, slower
-/// (and for BGRADB a column-sum kernel beside it). uses_cublaslt() says which, from the plan
+/// plain fp32-accumulating product, deterministic, correct for any size and alignment, slower.
+/// uses_cublaslt() says which, from the plan
 /// alone. The constructor needs scratch operands for the trial launches (A, B and D at the
 /// largest bucket's smallest token count, max_tokens / 2 + 1 at most; at max_tokens with
 /// autotuning) and frees them on return. Move-only.
@@ -153,8 +152,8 @@ class GemmPlan {
 
   /// D = op(A) · op(B) + beta * D (+ the vector epilogue when `vector` is not null), enqueued on
   /// `stream`: on cuBLASLt where uses_cublaslt(), else on the fallback kernel. `workspace` holds
-  /// workspace_bytes() bytes (or is nullptr when that is 0). `vector` is read (BIAS) or written
-  /// (BGRADB, overwritten whatever beta). tokens == 0 does nothing.
+  /// workspace_bytes() bytes (or is nullptr when that is 0). `vector` is the BIAS epilogue's
+  /// vector (read). tokens == 0 does nothing.
   /// \throws qbl::invalid_argument (tokens outside [0, max_tokens], a null operand, a vector for
   ///         a spec without a vector epilogue), qbl::logic_error (moved-from plan) -- before
   ///         anything is enqueued; qbl::cublas_error / qbl::cuda_error if the launch fails.

@@ -3,23 +3,25 @@
 //
 //   qbl::ForwardPlan<X, G, L>   the prologue (amax, quant-blend) and the forward GEMM
 //   qbl::BackwardPlan<X, G, L>  the dgrad and wgrad GEMMs, the quant-blend backward and the bias
-//                               gradient, wgrad beside dgrad on a second stream where that pays
+//                               gradient, wgrad beside dgrad on a caller's qbl::SideStream
 //
 // Element types: X for x (and grad_x), G for the GEMM (mixed, weight, bias, out and their
-// gradients), L for the logits (and grad_logits). One type for all three (float, __nv_bfloat16,
-// __half; G and L default to X), or fp32 x with a bf16 or fp16 GEMM and the logits in fp32 or
-// in the GEMM's type -- what PyTorch's autocast gives a layer, computed as eager computes the
-// reference module under autocast.
+// gradients), L for the logits (and grad_logits): one of qbl::SupportedTypes (qbl/types.hpp) --
+// one type for all three (float, __nv_bfloat16, __half; G and L default to X), or fp32 x with a
+// bf16 or fp16 GEMM and the logits in fp32 or in the GEMM's type, what PyTorch's autocast gives a
+// layer, computed as eager computes the reference module under autocast.
 //
 // A plan is made once per shape (it plans cuBLASLt for every token count up to max_tokens) and
-// owns no device memory: each run() takes the caller's workspace of workspace_bytes(). run()
-// checks its arguments in one function (supports() asks the same one) and throws before anything
-// is enqueued; it allocates nothing, queries no heuristic, never synchronizes, and can be captured
-// in a CUDA graph. Plans are const after construction: run() may be called from several threads
-// and streams at once, each call with its own workspace.
+// holds nothing mutable: every run() takes the caller's workspace of workspace_bytes() and, for a
+// backward with wgrad beside dgrad, the caller's SideStream. run() checks its arguments in one
+// function (supports() asks the same one) and throws before anything is enqueued; it allocates
+// nothing, queries no heuristic, never synchronizes, and can be captured in a CUDA graph. Plans
+// are const after construction: run() may be called from several threads and streams at once,
+// each call with its own workspace (and side stream).
 //
 //   qbl::ForwardPlan<float> fwd(in, out, max_tokens);
 //   qbl::BackwardPlan<float> bwd(in, out, max_tokens);
+//   qbl::SideStream side;                              // one per stream that runs backwards
 //   void* ws;  cudaMalloc(&ws, std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
 //   qbl::ForwardArgs<float> f;  f.x = d_x;  f.logits = d_l;  f.weight = d_w;  f.bias = d_b;
 //   f.out = d_out;  f.mixed = d_mixed;  f.stats = d_stats;  f.tokens = tokens;
@@ -27,8 +29,10 @@
 //   qbl::BackwardArgs<float> b;  b.grad_out = d_g;  b.x = d_x;  b.logits = d_l;  b.weight = d_w;
 //   b.mixed = d_mixed;  b.stats = d_stats;  b.tokens = tokens;
 //   b.grad_x = d_gx;  b.grad_logits = d_gl;  b.grad_weight = d_gw;  b.grad_bias = d_gb;
-//   bwd.run(b, ws, stream);
+//   bwd.run(b, ws, &side, stream);                     // or nullptr: wgrad after dgrad
 #pragma once
+
+#include <qbl/detail/config.cuh>  // first: it stops a non-CUDA compile with one clear error
 
 #include <qbl/detail/checks.hpp>
 #include <qbl/detail/handles.hpp>
@@ -37,18 +41,23 @@
 #include <qbl/options.hpp>
 #include <qbl/quant_blend.cuh>
 #include <qbl/quant_blend_backward.cuh>
+#include <qbl/types.hpp>
 
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
-#include <mutex>
 
 namespace qbl {
 
 /// Floats in a `stats` buffer: [amax, scale].
 inline constexpr std::int64_t stats_floats = 2;
+
+/// Where a forward's amax comes from.
+enum class AmaxSource {
+  x,      ///< max |x| over these tokens: the whole layer
+  stats,  ///< stats[0] as given, e.g. reduced over the shards of a sharded x (see local_amax)
+};
 
 /// One forward's tensors. Device pointers to contiguous row-major data, each aligned to its
 /// element size: x [tokens, in_features], logits [tokens], weight [out_features, in_features]
@@ -65,23 +74,24 @@ struct ForwardArgs {
   G* mixed = nullptr;
   float* stats = nullptr;
   std::int64_t tokens = 0;
-};
-
-/// Where a forward's amax comes from.
-enum class AmaxSource {
-  x,      ///< max |x| over these tokens: the whole layer
-  stats,  ///< stats[0] as given, e.g. reduced over the shards of a sharded x (see local_amax)
+  /// AmaxSource::stats: amax is stats[0] as given (any non-negative float or NaN, e.g. the
+  /// maximum over the shards of a sharded x, see ForwardPlan::local_amax) and only the scale is
+  /// written to stats[1]; the result then equals the whole layer's bit for bit.
+  AmaxSource amax_source = AmaxSource::x;
 };
 
 /// The forward: amax, quant-blend and the GEMM, for one shape and every token count up to
 /// max_tokens.
 template <typename X, typename G = X, typename L = X>
 class ForwardPlan {
-  static_assert(detail::supported_types<X, G, L>,
+  static_assert(supported_types<X, G, L>,
                 "ForwardPlan<X, G, L>: one element type, or fp32 x with a bf16/fp16 GEMM and the "
                 "logits in fp32 or in the GEMM's type");
 
  public:
+  using x_type = X;
+  using gemm_type = G;
+  using logits_type = L;
   using Arguments = ForwardArgs<X, G, L>;
 
   /// Plans the GEMM on the current device, which every run() must also run on.
@@ -105,23 +115,22 @@ class ForwardPlan {
   static std::size_t workspace_bytes_for(std::size_t cublas_workspace_bytes) noexcept;
 
   /// Would run() accept these arguments? (The same checks, without throwing.)
-  bool supports(const Arguments& args, AmaxSource source = AmaxSource::x) const noexcept;
+  bool supports(const Arguments& args) const noexcept;
 
   /// stats = [amax, scale]; mixed = quant_blend(x, logits); out = mixed · weightᵀ + bias, on
-  /// `stream`. tokens == 0 does nothing. With AmaxSource::stats the amax is read from stats[0]
-  /// (any non-negative float or NaN) and only the scale is written to stats[1].
+  /// `stream`. tokens == 0 does nothing. With args.amax_source = AmaxSource::stats the amax is
+  /// read from stats[0] and only the scale is written to stats[1].
   /// \throws qbl::logic_error (moved-from plan), qbl::invalid_argument (a null or misaligned
   ///         pointer, negative tokens, an output overlapping an input or another output, the
   ///         wrong current device), qbl::out_of_range (tokens > max_tokens) -- all before
   ///         anything is launched; qbl::cuda_error / qbl::cublas_error if a launch fails.
-  void run(const Arguments& args, void* workspace, cudaStream_t stream = nullptr,
-           AmaxSource source = AmaxSource::x) const;
+  void run(const Arguments& args, void* workspace, cudaStream_t stream = nullptr) const;
 
   /// A sharded forward's first step: stats[0] = max |x| over these tokens (0 for tokens == 0,
   /// the identity of the reduction); stats[1] is not touched. Then the caller reduces stats[0] over
   /// the shards -- as an unsigned integer max of its bits, which for a float with a clear sign bit
   /// orders like the value, with every NaN above +Inf: the NaN-propagating max that a float MAX
-  /// reduction (fmaxf, dropping NaN) is not -- and runs run(args, ws, stream, AmaxSource::stats).
+  /// reduction (fmaxf, dropping NaN) is not -- and runs run() with AmaxSource::stats.
   /// One memset and one kernel; reads nothing else, writes nothing else.
   void local_amax(const X* x, std::int64_t tokens, float* stats,
                   cudaStream_t stream = nullptr) const;
@@ -138,11 +147,47 @@ class ForwardPlan {
   int device() const noexcept { return device_; }
 
  private:
-  detail::Check check(const Arguments& args, AmaxSource source) const noexcept;
+  detail::Check check(const Arguments& args) const noexcept;
 
   GemmPlan<G> gemm_;
   int device_ = -1;
   detail::LaunchLimits limits_;  // of device_, for these types
+};
+
+/// The mutable state of a backward that runs wgrad beside dgrad: a second stream and the two
+/// events that fork it from the caller's stream and join it back into it. It belongs to the
+/// caller, like the workspace (BackwardPlan::run takes it), so that a plan stays immutable and two
+/// backwards on two streams never share a side stream. One SideStream serves one calling stream at
+/// a time -- its events carry one fork and one join -- so keep one per stream that runs backwards
+/// (qbl::QuantBlendLinear owns one). Made on the current device; move-only.
+///
+///   qbl::SideStream side;
+///   bwd.run(args, workspace, &side, stream);
+class SideStream {
+ public:
+  /// \throws qbl::cuda_error if the stream or the events cannot be made.
+  SideStream();
+
+  SideStream(SideStream&&) noexcept = default;
+  SideStream& operator=(SideStream&&) noexcept = default;
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+
+  /// Orders the side stream after everything enqueued on `main` so far (an event record and a
+  /// wait: no host synchronization; a graph capture of `main` takes the side stream in).
+  cudaError_t fork(cudaStream_t main) noexcept;
+  /// Orders `main` after everything enqueued on the side stream so far.
+  cudaError_t join(cudaStream_t main) noexcept;
+
+  cudaStream_t stream() const noexcept { return stream_.get(); }
+  int device() const noexcept { return device_; }
+  /// False for a moved-from object.
+  bool valid() const noexcept { return stream_ != nullptr; }
+
+ private:
+  detail::stream_ptr stream_;
+  detail::event_ptr fork_, join_;
+  int device_ = -1;
 };
 
 /// One backward's tensors: grad_out [tokens, out_features] is dL/dout; x, logits and weight are
@@ -176,19 +221,21 @@ struct BackwardArgs {
 ///   grad_x      = g_mixed * (1 - alpha)  [+ g_mixed * alpha with QuantGrad::straight_through]
 ///   grad_logits = sigmoid_backward(sum_f g_mixed * x_q - sum_f g_mixed * x, alpha)
 ///   grad_weight = gᵀ · mixed                                  (wgrad GEMM)
-///   grad_bias   = sum over tokens of g                        (BGRADB epilogue or column sum)
+///   grad_bias   = sum over tokens of g                        (qbl::bias_grad's column sum)
 template <typename X, typename G = X, typename L = X>
 class BackwardPlan {
-  static_assert(detail::supported_types<X, G, L>,
+  static_assert(supported_types<X, G, L>,
                 "BackwardPlan<X, G, L>: one element type, or fp32 x with a bf16/fp16 GEMM and the "
                 "logits in fp32 or in the GEMM's type");
 
  public:
+  using x_type = X;
+  using gemm_type = G;
+  using logits_type = L;
   using Arguments = BackwardArgs<X, G, L>;
 
-  /// Plans dgrad and wgrad on the current device, decides the bias gradient's source and where
-  /// wgrad runs beside dgrad (Options::bias_from_epilogue, Options::overlap_wgrad), and makes
-  /// the second stream and its events where it may.
+  /// Plans dgrad and wgrad on the current device and decides where wgrad may run beside dgrad
+  /// (Options::overlap_wgrad).
   /// \throws as ForwardPlan's constructor.
   BackwardPlan(std::int64_t in_features, std::int64_t out_features, std::int64_t max_tokens,
                const Options& options = {});
@@ -213,19 +260,17 @@ class BackwardPlan {
   /// Would run() accept these arguments (with a workspace of workspace_bytes(tokens))?
   bool supports(const Arguments& args) const noexcept;
 
-  /// The backward on `stream`. When both GEMMs run and overlaps(tokens), wgrad (and the bias
-  /// gradient) run on the plan's second stream, forked from `stream` and joined back into it by
-  /// two events (no host synchronization; a graph capture of `stream` takes it in): all of
-  /// run()'s work is ordered before what is enqueued on `stream` after it. tokens == 0, or no
-  /// output wanted, does nothing.
-  /// \throws as ForwardPlan::run.
-  void run(const Arguments& args, void* workspace, cudaStream_t stream = nullptr) const;
+  /// The backward on `stream`. When both GEMMs run, overlaps(tokens) and `side` is given, wgrad
+  /// (and the bias gradient) run on side->stream(), forked from `stream` and joined back into it
+  /// (no host synchronization; a graph capture of `stream` takes it in); otherwise after dgrad
+  /// on `stream`, with the same bits. Either way all of run()'s work is ordered before what is
+  /// enqueued on `stream` after it. tokens == 0, or no output wanted, does nothing.
+  /// \throws as ForwardPlan::run; qbl::invalid_argument for a side stream of another device.
+  void run(const Arguments& args, void* workspace, SideStream* side,
+           cudaStream_t stream = nullptr) const;
 
-  /// Does a run with `tokens` tokens put wgrad beside dgrad on the second stream?
+  /// Does a run with `tokens` tokens (and a side stream) put wgrad beside dgrad?
   bool overlaps(std::int64_t tokens) const noexcept { return tokens <= overlap_tokens_; }
-
-  /// Is grad_bias the wgrad GEMM's BGRADB epilogue (true) or qbl's column sum (false)?
-  bool bias_from_epilogue() const noexcept { return bias_from_epilogue_; }
 
   const GemmPlan<G>& dgrad() const noexcept { return dgrad_; }
   const GemmPlan<G>& wgrad() const noexcept { return wgrad_; }
@@ -242,14 +287,8 @@ class BackwardPlan {
   detail::Check check(const Arguments& args) const noexcept;
 
   GemmPlan<G> dgrad_, wgrad_;
-  bool bias_from_epilogue_ = false;
   std::int64_t overlap_tokens_ = 0;  ///< wgrad beside dgrad up to this token count
   int device_ = -1, sms_ = 0;
-  // The second stream and the fork/join events, where any token count overlaps; the mutex keeps
-  // one call's record and wait of an event together when several threads share the plan.
-  detail::stream_ptr side_;
-  detail::event_ptr fork_, join_;
-  std::unique_ptr<std::mutex> fork_mutex_;
 };
 
 }  // namespace qbl

@@ -64,18 +64,11 @@ struct Options {
   bool backward = false;
 
   /// The backward's weight gradient (and bias gradient) on a second stream beside its input
-  /// gradient, or before it on the caller's stream. by_shape: beside each other below a measured
-  /// size (on an H200 beside each other was faster at 10 of 12 bench shapes and at most 2.2 %
-  /// slower at the other two, so there is no limit yet; qbl::BackwardPlan::overlaps() says
-  /// which). The bits are the same either way.
+  /// gradient, or after it on the caller's stream. by_shape: beside each other wherever the plan
+  /// has measured it to pay, which on an H200 is every shape so far (benchmarks/HISTORY.md);
+  /// qbl::BackwardPlan::overlaps() says which. The bits are the same either way. Beside each
+  /// other needs a qbl::SideStream passed to BackwardPlan::run (qbl::QuantBlendLinear owns one).
   Choice overlap_wgrad = Choice::by_shape;
-
-  /// The bias gradient from the wgrad GEMM's CUBLASLT_EPILOGUE_BGRADB, or from qbl's column-sum
-  /// kernel over grad_out. by_shape: the column sum, for now at every shape
-  /// (qbl::BackwardPlan::bias_from_epilogue() says which; benchmarks/HISTORY.md has the
-  /// measurements). Both are deterministic, in different
-  /// summation orders: the choice can change grad_bias's last bits.
-  Choice bias_from_epilogue = Choice::by_shape;
 
   /// Device memory of the instance and of its planning (default: cudaMalloc / cudaFree).
   DeviceAllocator allocator;

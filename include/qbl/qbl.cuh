@@ -5,6 +5,8 @@
 //   layer.forward(d_x, d_logits, d_weight, d_bias, d_out, tokens, stream);
 #pragma once
 
+#include <qbl/detail/config.cuh>  // first: it stops a non-CUDA compile with one clear error
+
 #include <qbl/amax.cuh>
 #include <qbl/element_math.cuh>
 #include <qbl/error.hpp>
@@ -14,4 +16,5 @@
 #include <qbl/quant_blend.cuh>
 #include <qbl/quant_blend_backward.cuh>
 #include <qbl/quant_blend_linear.cuh>
+#include <qbl/types.hpp>
 #include <qbl/version.hpp>

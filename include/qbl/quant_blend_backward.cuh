@@ -17,8 +17,9 @@
 //   qbl::quant_blend_backward(d_g_mixed, d_x, d_logits, d_scale, d_grad_x, d_grad_logits,
 //                             tokens, features, qbl::QuantGrad::zero, stream);
 //
-// Element types as in qbl/quant_blend.cuh: g_mixed of the GEMM's type G, x and grad_x of X,
-// logits and grad_logits of L -- one type, or fp32 x with a bf16/fp16 GEMM (PyTorch's autocast).
+// Element types <X, G, L> as in qbl/quant_blend.cuh: x and grad_x of X, g_mixed of the GEMM's
+// type G, logits and grad_logits of L -- one type, or fp32 x with a bf16/fp16 GEMM (PyTorch's
+// autocast).
 // x, g_mixed and grad_x are row-major and contiguous; any element alignment is accepted (16-byte
 // vectors of x where all three allow them and a row is a whole number of vectors).
 #pragma once
@@ -47,11 +48,11 @@ namespace qbl {
 ///
 /// One kernel launch, no synchronization, no allocation. tokens == 0, or both outputs null,
 /// launches nothing. Returns cudaErrorInvalidValue (nothing launched) for negative sizes or a
-/// null input that a wanted output needs. The element types are g_mixed's (deduced), x's and the
-/// logits' (both g_mixed's unless given: quant_blend_backward<__nv_bfloat16, float> for a bf16
-/// g_mixed with fp32 x and logits).
-template <typename G, typename X = G, typename L = X>
-cudaError_t quant_blend_backward(const G* d_g_mixed, const detail::type_identity_t<X>* d_x,
+/// null input that a wanted output needs. The element types are x's (deduced from d_x), the
+/// GEMM's and the logits' (both x's unless given: quant_blend_backward<float, __nv_bfloat16>
+/// for fp32 x and logits with a bf16 g_mixed; with a null d_x, name X too).
+template <typename X, typename G = X, typename L = X>
+cudaError_t quant_blend_backward(const detail::type_identity_t<G>* d_g_mixed, const X* d_x,
                                  const detail::type_identity_t<L>* d_logits, const float* d_scale,
                                  detail::type_identity_t<X>* d_grad_x,
                                  detail::type_identity_t<L>* d_grad_logits, std::int64_t tokens,

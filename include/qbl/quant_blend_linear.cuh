@@ -25,17 +25,19 @@
 //   b.grad_x = d_gx;  b.grad_logits = d_gl;  b.grad_weight = d_gw;  b.grad_bias = d_gb;
 //   layer.backward(b, stream);
 //
-// The object composes a qbl::ForwardPlan and, with Options::backward, a qbl::BackwardPlan
-// (qbl/layer_plans.cuh), and owns their workspace and a `mixed` and `stats` of its own for calls
-// that pass none. Construction plans and allocates; forward() and backward() check their
-// arguments (throwing before anything is launched), then enqueue kernels and cuBLASLt products on
-// `stream`: no allocation, no host synchronization, no heuristic query -- so they can be captured
-// in a CUDA graph, which stays valid for as long as the object lives.
+// The object composes a qbl::ForwardPlan and, with Options::backward, a qbl::BackwardPlan and the
+// qbl::SideStream its wgrad runs on (qbl/layer_plans.cuh), and owns their workspace and a `mixed`
+// and `stats` of its own for calls that pass none. Construction plans and allocates; forward() and
+// backward() check their arguments (throwing before anything is launched), then enqueue kernels and
+// cuBLASLt products on `stream`: no allocation, no host synchronization, no heuristic query -- so
+// they can be captured in a CUDA graph, which stays valid for as long as the object lives.
 //
 // Thread safety: one instance serves one stream at a time (its workspace and its own buffers are
 // reused by every call). Use one instance per concurrent stream, or the plans themselves with a
 // workspace per stream.
 #pragma once
+
+#include <qbl/detail/config.cuh>  // first: it stops a non-CUDA compile with one clear error
 
 #include <qbl/detail/handles.hpp>
 #include <qbl/error.hpp>
@@ -62,7 +64,7 @@ class QuantBlendLinear {
   using x_type = X;
   using gemm_type = G;
   using logits_type = L;
-  using ForwardArguments = ForwardArgs<X, G, L>;
+  using ForwardArguments = ForwardArgs<X, G, L>;  // with amax_source for a sharded forward
   using BackwardArguments = BackwardArgs<X, G, L>;
 
   /// Plans the forward (and with Options::backward the backward) for up to `max_tokens` tokens
@@ -106,18 +108,17 @@ class QuantBlendLinear {
   ///
   ///   layer.forward_local_amax(d_x, tokens, d_stats, stream);         // this shard's max |x|
   ///   ncclAllReduce(d_stats, d_stats, 1, ncclUint32, ncclMax, comm, stream);   // amax's bits
-  ///   args.stats = d_stats;  ...;  layer.forward_from_amax(args, stream);
+  ///   args.stats = d_stats;  args.amax_source = qbl::AmaxSource::stats;  ...
+  ///   layer.forward(args, stream);
   ///
-  /// Together they equal forward() bit for bit (ForwardPlan::local_amax says why an unsigned
-  /// integer max is the right reduction). Neither allocates or synchronizes; both can be captured.
+  /// Together they equal forward() from x bit for bit (ForwardPlan::local_amax says why an
+  /// unsigned integer max is the right reduction). Neither allocates or synchronizes; both can be
+  /// captured.
   void forward_local_amax(const X* x, std::int64_t tokens, float* stats,
                           cudaStream_t stream = nullptr);
 
-  /// The rest of forward() from the amax in args.stats[0]: writes the scale to stats[1],
-  /// `mixed` and `out`. Arguments and errors as forward().
-  void forward_from_amax(const ForwardArguments& args, cudaStream_t stream = nullptr);
-
-  /// The backward of forward() (BackwardPlan::run), on `stream`. Needs Options::backward.
+  /// The backward of forward() (BackwardPlan::run), on `stream`, wgrad beside dgrad on the
+  /// instance's own side stream where the plan overlaps them. Needs Options::backward.
   /// `args.mixed` and `args.stats`: what the forward saved, or both null for the instance's own
   /// (those of its last forward without caller buffers). With `args.mixed` given, `args.stats`
   /// may be null where nothing asked for needs it (only grad_weight and grad_bias wanted).
@@ -170,6 +171,7 @@ class QuantBlendLinear {
 
   ForwardPlan<X, G, L> forward_;
   std::unique_ptr<BackwardPlan<X, G, L>> backward_;
+  std::unique_ptr<SideStream> side_;  ///< where the backward plan may overlap its GEMMs
   detail::device_buffer workspace_, mixed_, stats_;
 };
 

@@ -121,8 +121,8 @@ std::int64_t amax_blocks(std::int64_t n, std::int64_t head, int sms) {
 /// qbl::amax with the device's multiprocessor count given (the plans ask for it once).
 /// `bytes_to_zero` >= 4 bytes from d_amax are zeroed first (one memset).
 template <typename T>
-cudaError_t amax_launch(const T* d_x, std::int64_t n, float* d_amax, int sms, cudaStream_t stream,
-                        std::size_t bytes_to_zero = sizeof(float)) {
+cudaError_t launch_amax(const T* d_x, std::int64_t n, float* d_amax, std::size_t bytes_to_zero,
+                        int sms, cudaStream_t stream) {
   if (n < 0 || (n > 0 && d_x == nullptr) || d_amax == nullptr || sms < 1)
     return cudaErrorInvalidValue;
   QBL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_amax, 0, bytes_to_zero, stream));
@@ -139,8 +139,8 @@ cudaError_t amax_launch(const T* d_x, std::int64_t n, float* d_amax, int sms, cu
 
 /// The per-block maxima of x[0, n) into partials[0, *count) (n > 0); *count is the grid size.
 template <typename T>
-cudaError_t amax_partials_launch(const T* d_x, std::int64_t n, std::uint32_t* partials, int sms,
-                                 int* count, cudaStream_t stream) {
+cudaError_t launch_amax_partials(const T* d_x, std::int64_t n, std::uint32_t* partials, int* count,
+                                 int sms, cudaStream_t stream) {
   constexpr int threads = amax_block_threads;
   constexpr int N = vec16<T>;
   const std::int64_t head = aligned_head(d_x, n);
@@ -160,7 +160,7 @@ cudaError_t amax(const T* d_x, std::int64_t n, float* d_amax, cudaStream_t strea
   if (n < 0 || (n > 0 && d_x == nullptr) || d_amax == nullptr) return cudaErrorInvalidValue;
   int sms = 0;
   QBL_CUDA_RETURN_IF_ERROR(detail::sm_count(&sms));
-  return detail::amax_launch(d_x, n, d_amax, sms, stream);
+  return detail::launch_amax(d_x, n, d_amax, sizeof(float), sms, stream);
 }
 
 }  // namespace qbl

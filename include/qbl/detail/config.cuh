@@ -1,5 +1,13 @@
-// Internal macros shared by the device headers.
+// Internal macros shared by the device headers, and the check that they are compiled as CUDA.
 #pragma once
+
+// Every .cuh header of qbl has device code (kernels, CUB): a plain C++ compiler cannot take it.
+#if !defined(__CUDACC__)
+#error \
+    "qbl: <qbl/*.cuh> headers hold device code: compile this file with nvcc (a .cu file, or \
+LANGUAGE CUDA in CMake). Host-only headers, for .cpp files: <qbl/error.hpp>, <qbl/options.hpp>, \
+<qbl/types.hpp>, <qbl/version.hpp>."
+#endif
 
 #include <cuda_runtime.h>
 

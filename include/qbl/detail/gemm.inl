@@ -5,7 +5,6 @@
 #include <qbl/detail/handles.hpp>
 #include <qbl/detail/linear_fallback.cuh>
 #include <qbl/gemm.cuh>
-#include <qbl/quant_blend_backward.cuh>
 
 #include <algorithm>
 #include <cstdint>
@@ -138,18 +137,11 @@ GemmPlan<T>::GemmPlan(const GemmSpec& spec, std::int64_t max_tokens, const Optio
   QBL_EXPECTS(tokens_n ? !tb : (!ta && tb), qbl::invalid_argument,
               "the token count must be a stored column count of every operand that has it");
   QBL_EXPECTS(spec.vector_epilogue == CUBLASLT_EPILOGUE_DEFAULT ||
-                  spec.vector_epilogue == CUBLASLT_EPILOGUE_BIAS ||
-                  (spec.vector_epilogue == CUBLASLT_EPILOGUE_BGRADB && tb),
-              qbl::invalid_argument,
-              "the vector epilogue is BIAS, or BGRADB of a transposed B, or none");
+                  spec.vector_epilogue == CUBLASLT_EPILOGUE_BIAS,
+              qbl::invalid_argument, "the vector epilogue is BIAS or none");
   (tokens_n ? spec_.n : spec_.k) = max_tokens;
   autotune_candidates_ = options.autotune ? std::clamp(options.autotune_candidates, 1, 16) : 0;
-  // BGRADB with m == 1 is not planned: on an H200 (cuBLASLt 13.1) fp16 wgrad products of a
-  // single row (in_features == 1) returned a wrong or partly unwritten bias gradient at some
-  // token counts, while the product itself was right. Those calls take the fallback path (the
-  // product on cuBLASLt where it can, the bias gradient from qbl's column sum).
-  vector_planned_ = spec_.vector_epilogue != CUBLASLT_EPILOGUE_DEFAULT &&
-                    !(spec_.vector_epilogue == CUBLASLT_EPILOGUE_BGRADB && spec_.m == 1);
+  vector_planned_ = spec_.vector_epilogue != CUBLASLT_EPILOGUE_DEFAULT;
 
   cublasLtHandle_t h = nullptr;
   QBL_CUBLAS_TRY(cublasLtCreate(&h));
@@ -447,22 +439,15 @@ std::string GemmPlan<T>::describe(std::int64_t tokens, bool vector) const {
          std::to_string(get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
 }
 
-// Where cuBLASLt has no algorithm: the fallback kernel, its strides derived from the spec; with
-// BGRADB, the vector is the column sum of op(B) (B transposed: row-major [k, n]) over k.
+// Where cuBLASLt has no algorithm: the fallback kernel, its strides derived from the spec.
 template <typename T>
 void GemmPlan<T>::run_fallback(const T* a, const T* b, T* d, const void* vector,
                                std::int64_t tokens, float beta, cudaStream_t stream) const {
   const bool tokens_n = spec_.tokens == GemmSpec::Tokens::n;
   const std::int64_t n = tokens_n ? tokens : spec_.n, k = tokens_n ? spec_.k : tokens;
-  const bool bias = vector != nullptr && spec_.vector_epilogue == CUBLASLT_EPILOGUE_BIAS;
-  QBL_CUDA_TRY(detail::gemm_fallback(b, a, bias ? static_cast<const T*>(vector) : nullptr, d,
+  QBL_CUDA_TRY(detail::gemm_fallback(b, a, static_cast<const T*>(vector), d,
                                      detail::fallback_strides(spec_, spec_.m, n, k), beta != 0.0f,
                                      stream));
-  if (vector != nullptr && spec_.vector_epilogue == CUBLASLT_EPILOGUE_BGRADB) {
-    // BGRADB's vector is an output (cuBLASLt takes it through the same const pointer).
-    QBL_CUDA_TRY(detail::bias_grad_launch(b, static_cast<T*>(const_cast<void*>(vector)), k, n,
-                                          false, nullptr, 1, stream));
-  }
 }
 
 template <typename T>
@@ -480,15 +465,6 @@ void GemmPlan<T>::run(const T* a, const T* b, T* d, const void* vector, std::int
   QBL_EXPECTS(workspace != nullptr || workspace_bytes_ == 0, qbl::invalid_argument,
               "the workspace must not be null");
   if (!uses_cublaslt(a, b, d, vector, tokens)) {
-    if (vector != nullptr && spec_.vector_epilogue == CUBLASLT_EPILOGUE_BGRADB &&
-        uses_cublaslt(a, b, d, nullptr, tokens)) {
-      // The product has an algorithm, its epilogue none (in_features == 1): the product on
-      // cuBLASLt, the bias gradient from the column sum.
-      run(a, b, d, nullptr, tokens, beta, workspace, stream);
-      QBL_CUDA_TRY(detail::bias_grad_launch(b, static_cast<T*>(const_cast<void*>(vector)), tokens,
-                                            spec_.n, false, nullptr, 1, stream));
-      return;
-    }
     run_fallback(a, b, d, vector, tokens, beta, stream);
     return;
   }

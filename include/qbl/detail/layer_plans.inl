@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <mutex>
 
 namespace qbl::detail {
 
@@ -28,13 +27,9 @@ inline int plan_device(std::int64_t in_features, std::int64_t out_features, std:
 }
 
 /// wgrad beside dgrad (Options::overlap_wgrad = by_shape): up to the token count at which the
-/// two products together pass `overlap_max_macs` multiply-adds. Measured on an H200 (qbl_bench's
-/// train_overlap against train_serial, bf16 and fp32, from 1x8x1024 to 4x4096x4096,
-/// benchmarks/HISTORY.md): beside each other was faster at 10 of the 12 shape/dtype pairs, up to
-/// 5 % (wgrad's time hides behind dgrad and the element kernel even where each GEMM fills the
-/// GPU), and 2.2 % and 0.5 % slower at the two smallest bf16 shapes, where a step takes 30-80 us
-/// and the fork's two event calls weigh; no crossover in size has been measured and the limit
-/// is none.
+/// two products together pass `overlap_max_macs` multiply-adds. Beside each other, wgrad's time
+/// hides behind dgrad and the element kernel; no size at which that stops paying has been
+/// measured on an H200, so the limit is none (benchmarks/HISTORY.md has the measurements).
 inline constexpr double overlap_max_macs = std::numeric_limits<double>::infinity();
 
 inline std::int64_t overlap_tokens(Choice choice, std::int64_t in, std::int64_t out,
@@ -46,17 +41,33 @@ inline std::int64_t overlap_tokens(Choice choice, std::int64_t in, std::int64_t 
       std::min(static_cast<double>(max_tokens), std::floor(overlap_max_macs / per_token)));
 }
 
-/// The bias gradient's source (Options::bias_from_epilogue = by_shape): the column sum. With
-/// cuBLASLt 13.1 on an H200 the BGRADB epilogue of the wgrad product runs as a separate kernel
-/// (globalKernelBgradAB_v2). Against an earlier column sum (one row in flight) the train steps
-/// with BGRADB were 1-3 % faster in bf16 and within 0.8 % in fp32 (benchmarks/HISTORY.md); the
-/// column sum was rewritten since (eight rows in flight) and the two are to be measured again
-/// before by_shape picks per shape.
-inline bool bias_from_epilogue(Choice choice) { return choice == Choice::yes; }
-
 }  // namespace qbl::detail
 
 namespace qbl {
+
+// ---- SideStream ---------------------------------------------------------------------------------
+
+inline SideStream::SideStream() {
+  QBL_CUDA_TRY(cudaGetDevice(&device_));
+  cudaStream_t s = nullptr;
+  QBL_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  stream_.reset(s);
+  for (detail::event_ptr* e : {&fork_, &join_}) {
+    cudaEvent_t ev = nullptr;
+    QBL_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    e->reset(ev);
+  }
+}
+
+inline cudaError_t SideStream::fork(cudaStream_t main) noexcept {
+  const cudaError_t e = cudaEventRecord(fork_.get(), main);
+  return e != cudaSuccess ? e : cudaStreamWaitEvent(stream_.get(), fork_.get(), 0);
+}
+
+inline cudaError_t SideStream::join(cudaStream_t main) noexcept {
+  const cudaError_t e = cudaEventRecord(join_.get(), stream_.get());
+  return e != cudaSuccess ? e : cudaStreamWaitEvent(main, join_.get(), 0);
+}
 
 // ---- ForwardPlan --------------------------------------------------------------------------------
 
@@ -76,11 +87,11 @@ std::size_t ForwardPlan<X, G, L>::workspace_bytes_for(std::size_t cublas_workspa
 }
 
 template <typename X, typename G, typename L>
-detail::Check ForwardPlan<X, G, L>::check(const Arguments& a, AmaxSource source) const noexcept {
+detail::Check ForwardPlan<X, G, L>::check(const Arguments& a) const noexcept {
   QBL_CHECK(gemm_.valid(), logic_error, "a moved-from ForwardPlan cannot run");
   QBL_CHECK(a.tokens >= 0, invalid_argument, "tokens must be non-negative");
   QBL_CHECK(a.tokens <= max_tokens(), out_of_range, "tokens exceeds max_tokens");
-  QBL_CHECK(source == AmaxSource::x || source == AmaxSource::stats, invalid_argument,
+  QBL_CHECK(a.amax_source == AmaxSource::x || a.amax_source == AmaxSource::stats, invalid_argument,
             "unknown amax source");
   if (a.tokens == 0) return {};
   QBL_CHECK(a.x != nullptr && a.logits != nullptr && a.weight != nullptr && a.out != nullptr,
@@ -116,26 +127,26 @@ detail::Check ForwardPlan<X, G, L>::check(const Arguments& a, AmaxSource source)
 }
 
 template <typename X, typename G, typename L>
-bool ForwardPlan<X, G, L>::supports(const Arguments& args, AmaxSource source) const noexcept {
-  return check(args, source).ok();
+bool ForwardPlan<X, G, L>::supports(const Arguments& args) const noexcept {
+  return check(args).ok();
 }
 
 template <typename X, typename G, typename L>
-void ForwardPlan<X, G, L>::run(const Arguments& a, void* workspace, cudaStream_t stream,
-                               AmaxSource source) const {
+void ForwardPlan<X, G, L>::run(const Arguments& a, void* workspace, cudaStream_t stream) const {
   const detail::NvtxRange range("qbl forward");
-  detail::raise(check(a, source));
+  detail::raise(check(a));
   if (a.tokens == 0) return;
   QBL_EXPECTS(workspace != nullptr && detail::is_aligned(workspace, 256), qbl::invalid_argument,
               "the workspace must be a 256-byte aligned buffer of workspace_bytes()");
   const std::int64_t in = in_features();
   {
     const detail::NvtxRange prologue("qbl prologue (amax + quant_blend)");
-    QBL_CUDA_TRY(source == AmaxSource::x
-                     ? detail::amax_quant_blend_with(a.x, a.logits, a.mixed, a.tokens, in, a.stats,
-                                                     a.stats + 1, workspace, limits_, stream)
-                     : detail::quant_blend_with(a.x, a.logits, a.stats, a.mixed, a.tokens, in,
-                                                a.stats + 1, limits_, stream));
+    QBL_CUDA_TRY(
+        a.amax_source == AmaxSource::x
+            ? detail::launch_amax_quant_blend(a.x, a.logits, a.mixed, a.tokens, in, a.stats,
+                                              a.stats + 1, workspace, limits_, stream)
+            : detail::launch_quant_blend(a.x, a.logits, detail::GivenAmax{a.stats, a.stats + 1},
+                                         a.mixed, a.tokens, in, limits_, stream));
   }
   const detail::NvtxRange gemm("qbl gemm");
   void* gemm_workspace =
@@ -159,14 +170,15 @@ void ForwardPlan<X, G, L>::local_amax(const X* x, std::int64_t tokens, float* st
               qbl::invalid_argument, "stats must not overlap x");
   QBL_EXPECTS(detail::current_device() == device_, qbl::invalid_argument,
               "a plan runs on the device it was made on");
-  QBL_CUDA_TRY(detail::amax_launch(x, tokens * in_features(), stats, limits_.sms, stream));
+  QBL_CUDA_TRY(
+      detail::launch_amax(x, tokens * in_features(), stats, sizeof(float), limits_.sms, stream));
 }
 
 // ---- BackwardPlan -------------------------------------------------------------------------------
 
 template <typename X, typename G, typename L>
 struct BackwardPlan<X, G, L>::Layout {
-  std::size_t dgrad_ws = 0, wgrad_ws = 0, partials = 0, bias_scratch = 0, g_mixed = 0, total = 0;
+  std::size_t dgrad_ws = 0, wgrad_ws = 0, partials = 0, g_mixed = 0, total = 0;
 };
 
 template <typename X, typename G, typename L>
@@ -175,25 +187,11 @@ BackwardPlan<X, G, L>::BackwardPlan(std::int64_t in_features, std::int64_t out_f
     : dgrad_((detail::plan_device(in_features, out_features, max_tokens, sizeof(X)),
               GemmSpec::linear_dgrad(in_features, out_features)),
              max_tokens, options),
-      wgrad_(GemmSpec::linear_wgrad(in_features, out_features,
-                                    detail::bias_from_epilogue(options.bias_from_epilogue)),
-             max_tokens, options),
-      bias_from_epilogue_(detail::bias_from_epilogue(options.bias_from_epilogue)),
+      wgrad_(GemmSpec::linear_wgrad(in_features, out_features), max_tokens, options),
       overlap_tokens_(
           detail::overlap_tokens(options.overlap_wgrad, in_features, out_features, max_tokens)) {
   QBL_CUDA_TRY(cudaGetDevice(&device_));
   QBL_CUDA_TRY(detail::sm_count(&sms_));
-  if (overlap_tokens_ > 0) {
-    cudaStream_t side = nullptr;
-    QBL_CUDA_TRY(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-    side_.reset(side);
-    for (detail::event_ptr* e : {&fork_, &join_}) {
-      cudaEvent_t ev = nullptr;
-      QBL_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-      e->reset(ev);
-    }
-    fork_mutex_ = std::make_unique<std::mutex>();
-  }
 }
 
 template <typename X, typename G, typename L>
@@ -205,8 +203,7 @@ typename BackwardPlan<X, G, L>::Layout BackwardPlan<X, G, L>::layout_for(
   l.dgrad_ws = 0;
   l.wgrad_ws = two_gemm_workspaces ? ws : 0;  // one workspace when the GEMMs never overlap
   l.partials = l.wgrad_ws + ws;
-  l.bias_scratch = l.partials + detail::align_up(bias_grad_workspace_bytes(out));
-  l.g_mixed = l.bias_scratch + detail::align_up(detail::span_bytes(out, 1, sizeof(G)));
+  l.g_mixed = l.partials + detail::align_up(bias_grad_workspace_bytes(out));
   l.total = l.g_mixed +
             detail::align_up(detail::span_bytes(std::max<std::int64_t>(tokens, 0), in, sizeof(G)));
   return l;
@@ -290,7 +287,8 @@ bool BackwardPlan<X, G, L>::supports(const Arguments& args) const noexcept {
 }
 
 template <typename X, typename G, typename L>
-void BackwardPlan<X, G, L>::run(const Arguments& a, void* workspace, cudaStream_t stream) const {
+void BackwardPlan<X, G, L>::run(const Arguments& a, void* workspace, SideStream* side,
+                                cudaStream_t stream) const {
   const detail::NvtxRange range("qbl backward");
   detail::raise(check(a));
   const bool want_x = a.grad_x != nullptr, want_logits = a.grad_logits != nullptr;
@@ -299,55 +297,42 @@ void BackwardPlan<X, G, L>::run(const Arguments& a, void* workspace, cudaStream_
   if (a.tokens == 0 || !(dgrad || want_weight || want_bias)) return;
   QBL_EXPECTS(workspace != nullptr && detail::is_aligned(workspace, 256), qbl::invalid_argument,
               "the workspace must be a 256-byte aligned buffer of workspace_bytes(tokens)");
+  QBL_EXPECTS(side == nullptr || (side->valid() && side->device() == device_),
+              qbl::invalid_argument, "the side stream must be a valid one of the plan's device");
   const Layout l = layout(a.tokens);
   auto* ws = static_cast<char*>(workspace);
   const std::int64_t in = in_features(), out = out_features();
 
   // wgrad (and the bias gradient) beside dgrad when both run: on the side stream, forked here.
-  const bool fork = dgrad && (want_weight || want_bias) && overlaps(a.tokens);
-  std::unique_lock<std::mutex> fork_lock;
+  const bool fork = side != nullptr && dgrad && (want_weight || want_bias) && overlaps(a.tokens);
   cudaStream_t wstream = stream;
   if (fork) {
-    fork_lock = std::unique_lock<std::mutex>(*fork_mutex_);
-    QBL_CUDA_TRY(cudaEventRecord(fork_.get(), stream));
-    QBL_CUDA_TRY(cudaStreamWaitEvent(side_.get(), fork_.get(), 0));
-    wstream = side_.get();
+    QBL_CUDA_TRY(side->fork(stream));
+    wstream = side->stream();
   }
   // Joins the side stream back into `stream` on every way out, a throw included: the caller's
   // later work (an allocator reusing grad_out or mixed, the end of a graph capture) must never
-  // run ahead of wgrad. The normal way out checks the two calls; a throw's cannot be reported.
+  // run ahead of wgrad. The normal way out checks the join; a throw's cannot be reported.
   struct Join {
-    cudaStream_t main, side;
-    cudaEvent_t event;
-    bool armed;
+    SideStream* side;
+    cudaStream_t main;
     cudaError_t join() noexcept {
-      armed = false;
-      const cudaError_t e = cudaEventRecord(event, side);
-      return e != cudaSuccess ? e : cudaStreamWaitEvent(main, event, 0);
+      SideStream* s = side;
+      side = nullptr;
+      return s != nullptr ? s->join(main) : cudaSuccess;
     }
-    ~Join() {
-      if (armed) join();
-    }
-  } join{stream, side_.get(), join_.get(), fork};
+    ~Join() { join(); }
+  } join{fork ? side : nullptr, stream};
 
   if (want_weight || want_bias) {
     const detail::NvtxRange wgrad_range("qbl wgrad + bias_grad");
     void* wws = ws + (fork ? l.wgrad_ws : l.dgrad_ws);
-    // grad_bias from the BGRADB epilogue (which overwrites: accumulating, it goes to a scratch
-    // vector first) or from the column sum (which accumulates itself).
-    const bool epilogue = want_bias && want_weight && bias_from_epilogue_;
-    G* bias_out = epilogue
-                      ? (a.accumulate ? reinterpret_cast<G*>(ws + l.bias_scratch) : a.grad_bias)
-                      : nullptr;
     if (want_weight) {
-      wgrad_.run(a.mixed, a.grad_out, a.grad_weight, bias_out, a.tokens, a.accumulate ? 1.0f : 0.0f,
+      wgrad_.run(a.mixed, a.grad_out, a.grad_weight, nullptr, a.tokens, a.accumulate ? 1.0f : 0.0f,
                  wws, wstream);
     }
-    if (epilogue && a.accumulate)
-      QBL_CUDA_TRY(
-          detail::accumulate_into(a.grad_bias, static_cast<const G*>(bias_out), out, wstream));
-    if (want_bias && !epilogue) {
-      QBL_CUDA_TRY(detail::bias_grad_launch(a.grad_out, a.grad_bias, a.tokens, out, a.accumulate,
+    if (want_bias) {
+      QBL_CUDA_TRY(detail::launch_bias_grad(a.grad_out, a.grad_bias, a.tokens, out, a.accumulate,
                                             ws + l.partials, sms_, wstream));
     }
   }
@@ -360,11 +345,11 @@ void BackwardPlan<X, G, L>::run(const Arguments& a, void* workspace, cudaStream_
       if (want_x) g_mixed = a.grad_x;
     }
     dgrad_.run(a.weight, a.grad_out, g_mixed, nullptr, a.tokens, 0.0f, ws + l.dgrad_ws, stream);
-    QBL_CUDA_TRY(
-        (quant_blend_backward<G, X, L>(g_mixed, a.x, a.logits, a.stats + 1, a.grad_x, a.grad_logits,
-                                       a.tokens, in, a.quant_grad, stream)));
+    QBL_CUDA_TRY(detail::launch_quant_blend_backward(g_mixed, a.x, a.logits, a.stats + 1, a.grad_x,
+                                                     a.grad_logits, a.tokens, in, a.quant_grad,
+                                                     stream));
   }
-  if (fork) QBL_CUDA_TRY(join.join());
+  QBL_CUDA_TRY(join.join());
 }
 
 }  // namespace qbl

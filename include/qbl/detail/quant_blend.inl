@@ -280,21 +280,30 @@ cudaError_t check_quant_blend_args(const X* x, const L* logits, const G* mixed, 
   return cudaSuccess;
 }
 
-/// What the launchers need to know of the device, asked once: the plans at construction, the
-/// free functions per call (they must work on whatever device is current).
+/// What the launchers need to know of the device and of the kernels compiled for it, asked once:
+/// the plans at construction, the free functions per call (they must work on whatever device is
+/// current). Index [0] is the element-by-element kernel, [1] the 16-byte-vector one.
 struct LaunchLimits {
-  int sms = 0;  ///< multiprocessors
-  int resident[2] =
-      {};  ///< resident quant_blend_kernel blocks per multiprocessor: [scalar, vector]
+  int sms = 0;           ///< multiprocessors
+  int resident[2] = {};  ///< resident quant_blend_kernel blocks per multiprocessor
+  /// May the quant-blend kernel start as the amax kernel's programmatic dependent? Only where its
+  /// own compiled code waits for that kernel: wait_for_primary() is compiled in for sm_90 and
+  /// later, so a build for an older architecture that runs on Hopper by JIT from its PTX has no
+  /// wait in it, and a programmatic launch there could read the partial maxima too early. Decided
+  /// from the PTX version of the kernel the runtime picked for this device.
+  bool programmatic[2] = {};
 };
 
 template <typename X, typename G, typename L, int N>
-cudaError_t resident_quant_blend_blocks(int* n) {
-  *n = 0;
+cudaError_t quant_blend_kernel_limits(int* resident, bool* programmatic) {
+  constexpr auto kernel = quant_blend_kernel<X, G, L, quant_blend_block_threads, N, PartialAmax>;
+  *resident = 0;
   QBL_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      n, quant_blend_kernel<X, G, L, quant_blend_block_threads, N, PartialAmax>,
-      quant_blend_block_threads, 0));
-  if (*n < 1) *n = 1;
+      resident, kernel, quant_blend_block_threads, 0));
+  if (*resident < 1) *resident = 1;
+  cudaFuncAttributes attributes = {};
+  QBL_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
+  *programmatic = attributes.ptxVersion >= 90;
   return cudaSuccess;
 }
 
@@ -302,28 +311,31 @@ cudaError_t resident_quant_blend_blocks(int* n) {
 template <typename X, typename G, typename L>
 cudaError_t launch_limits(LaunchLimits* limits) {
   QBL_CUDA_RETURN_IF_ERROR(sm_count(&limits->sms));
-  QBL_CUDA_RETURN_IF_ERROR((resident_quant_blend_blocks<X, G, L, 1>(&limits->resident[0])));
-  return resident_quant_blend_blocks<X, G, L, vec16<X>>(&limits->resident[1]);
+  QBL_CUDA_RETURN_IF_ERROR(
+      (quant_blend_kernel_limits<X, G, L, 1>(&limits->resident[0], &limits->programmatic[0])));
+  return quant_blend_kernel_limits<X, G, L, vec16<X>>(&limits->resident[1],
+                                                      &limits->programmatic[1]);
 }
 
+/// One quant_blend_kernel launch with vectors of N elements: at most one wave of resident blocks,
+/// each looping over tiles.
 template <typename X, typename G, typename L, int N, typename Source>
-cudaError_t launch_quant_blend(const X* x, const L* logits, const Source& source, G* mixed,
-                               std::int64_t tokens, std::int64_t features,
-                               const LaunchLimits& limits, cudaStream_t stream) {
+cudaError_t launch_quant_blend_kernel(const X* x, const L* logits, const Source& source, G* mixed,
+                                      std::int64_t tokens, std::int64_t features,
+                                      const LaunchLimits& limits, cudaStream_t stream) {
   constexpr int threads = quant_blend_block_threads;
   constexpr std::int64_t tile = std::int64_t{threads} * vectors_in_flight;
+  constexpr int v = N == 1 ? 0 : 1;
   const std::int64_t cols = features / N;
-  // One wave of resident blocks at most; each block then loops over tiles.
-  const int resident = limits.resident[N == 1 ? 0 : 1];
-  const std::int64_t blocks =
-      std::min<std::int64_t>(ceil_div(tokens * cols, tile), std::int64_t{limits.sms} * resident);
+  const std::int64_t blocks = std::min<std::int64_t>(ceil_div(tokens * cols, tile),
+                                                     std::int64_t{limits.sms} * limits.resident[v]);
   // From the amax kernel's partial maxima: launched as that kernel's programmatic dependent, it
   // may start, and issue its loads of x and logits, while that kernel drains (the amax kernel
   // only reads x; the partials are read after cudaGridDependencySynchronize()). From a given
   // amax -- after any kernel of the caller's, which may have written x or logits -- a plain
   // launch: loads issued before the dependency wait are only ordered after a kernel that wrote
   // nothing they read.
-  constexpr bool dependent = std::is_same_v<Source, PartialAmax>;
+  const bool dependent = std::is_same_v<Source, PartialAmax> && limits.programmatic[v];
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
   config.blockDim = dim3(threads);
@@ -339,10 +351,11 @@ cudaError_t launch_quant_blend(const X* x, const L* logits, const Source& source
   return cudaGetLastError();
 }
 
+/// The single-block kernel (amax and blend in one block) with vectors of N elements.
 template <typename X, typename G, typename L, int N>
-cudaError_t launch_single_block(const X* x, const L* logits, G* mixed, std::int64_t tokens,
-                                std::int64_t features, float* amax, float* scale,
-                                cudaStream_t stream) {
+cudaError_t launch_single_block_kernel(const X* x, const L* logits, G* mixed, std::int64_t tokens,
+                                       std::int64_t features, float* amax, float* scale,
+                                       cudaStream_t stream) {
   constexpr int threads = single_block_threads;
   const std::int64_t head = N == 1 ? 0 : aligned_head(x, tokens * features);
   amax_quant_blend_single_block_kernel<X, G, L, threads, N><<<1, threads, 0, stream>>>(
@@ -351,58 +364,50 @@ cudaError_t launch_single_block(const X* x, const L* logits, G* mixed, std::int6
   return cudaGetLastError();
 }
 
+/// mixed from an amax source (GivenAmax: the free function qbl::quant_blend and a forward from
+/// given stats; PartialAmax: the prologue's second kernel), 16-byte vectors where the buffers
+/// allow them.
 template <typename X, typename G, typename L, typename Source>
-cudaError_t quant_blend_from(const X* d_x, const L* d_logits, const Source& source, G* d_mixed,
-                             std::int64_t tokens, std::int64_t features, const LaunchLimits& limits,
-                             cudaStream_t stream) {
-  if (rows_vectorizable(d_x, d_mixed, features)) {
-    return launch_quant_blend<X, G, L, vec16<X>>(d_x, d_logits, source, d_mixed, tokens, features,
-                                                 limits, stream);
-  }
-  return launch_quant_blend<X, G, L, 1>(d_x, d_logits, source, d_mixed, tokens, features, limits,
-                                        stream);
-}
-
-/// mixed from the amax in *d_amax (the free function qbl::quant_blend, the sharded forward's
-/// second step); *d_scale gets the scale when not null.
-template <typename X, typename L, typename G>
-cudaError_t quant_blend_with(const X* d_x, const L* d_logits, const float* d_amax, G* d_mixed,
-                             std::int64_t tokens, std::int64_t features, float* d_scale,
-                             const LaunchLimits& limits, cudaStream_t stream) {
+cudaError_t launch_quant_blend(const X* d_x, const L* d_logits, const Source& source, G* d_mixed,
+                               std::int64_t tokens, std::int64_t features,
+                               const LaunchLimits& limits, cudaStream_t stream) {
   QBL_CUDA_RETURN_IF_ERROR(check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
-  if (d_amax == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
-  return quant_blend_from(d_x, d_logits, GivenAmax{d_amax, d_scale}, d_mixed, tokens, features,
-                          limits, stream);
+  if (rows_vectorizable(d_x, d_mixed, features)) {
+    return launch_quant_blend_kernel<X, G, L, vec16<X>>(d_x, d_logits, source, d_mixed, tokens,
+                                                        features, limits, stream);
+  }
+  return launch_quant_blend_kernel<X, G, L, 1>(d_x, d_logits, source, d_mixed, tokens, features,
+                                               limits, stream);
 }
 
 /// Both stages (qbl::amax_quant_blend, the layer's prologue): one single-block launch for small
 /// inputs, else the partial-maxima amax kernel and the quant-blend kernel as its programmatic
 /// dependent, the partials in d_workspace (amax_quant_blend_workspace_bytes). No memset, no
 /// atomics: nothing in the workspace needs initializing, and nothing is left to reset.
-template <typename X, typename L, typename G>
-cudaError_t amax_quant_blend_with(const X* d_x, const L* d_logits, G* d_mixed, std::int64_t tokens,
-                                  std::int64_t features, float* d_amax, float* d_scale,
-                                  void* d_workspace, const LaunchLimits& limits,
-                                  cudaStream_t stream) {
+template <typename X, typename G, typename L>
+cudaError_t launch_amax_quant_blend(const X* d_x, const L* d_logits, G* d_mixed,
+                                    std::int64_t tokens, std::int64_t features, float* d_amax,
+                                    float* d_scale, void* d_workspace, const LaunchLimits& limits,
+                                    cudaStream_t stream) {
   QBL_CUDA_RETURN_IF_ERROR(check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
   if (d_amax == nullptr || d_scale == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
   const bool vec = rows_vectorizable(d_x, d_mixed, features);
   if (tokens * features <= amax_quant_blend_single_block_elements) {
-    return vec ? launch_single_block<X, G, L, vec16<X>>(d_x, d_logits, d_mixed, tokens, features,
-                                                        d_amax, d_scale, stream)
-               : launch_single_block<X, G, L, 1>(d_x, d_logits, d_mixed, tokens, features, d_amax,
-                                                 d_scale, stream);
+    return vec ? launch_single_block_kernel<X, G, L, vec16<X>>(d_x, d_logits, d_mixed, tokens,
+                                                               features, d_amax, d_scale, stream)
+               : launch_single_block_kernel<X, G, L, 1>(d_x, d_logits, d_mixed, tokens, features,
+                                                        d_amax, d_scale, stream);
   }
   if (d_workspace == nullptr || !is_aligned(d_workspace, alignof(std::uint32_t)))
     return cudaErrorInvalidValue;
   auto* partials = static_cast<std::uint32_t*>(d_workspace);
   int count = 0;
   QBL_CUDA_RETURN_IF_ERROR(
-      amax_partials_launch(d_x, tokens * features, partials, limits.sms, &count, stream));
-  return quant_blend_from(d_x, d_logits, PartialAmax{partials, count, d_amax, d_scale}, d_mixed,
-                          tokens, features, limits, stream);
+      launch_amax_partials(d_x, tokens * features, partials, &count, limits.sms, stream));
+  return launch_quant_blend(d_x, d_logits, PartialAmax{partials, count, d_amax, d_scale}, d_mixed,
+                            tokens, features, limits, stream);
 }
 
 }  // namespace qbl::detail
@@ -414,7 +419,7 @@ cudaError_t quant_blend(const X* d_x, const detail::type_identity_t<L>* d_logits
                         const float* d_amax, detail::type_identity_t<G>* d_mixed,
                         std::int64_t tokens, std::int64_t features, float* d_scale,
                         cudaStream_t stream) {
-  static_assert(detail::supported_types<X, G, L>,
+  static_assert(supported_types<X, G, L>,
                 "quant_blend: x, logits and mixed of one type, or fp32 x with bf16/fp16 mixed "
                 "(logits fp32 or of mixed's type)");
   QBL_CUDA_RETURN_IF_ERROR(
@@ -423,8 +428,8 @@ cudaError_t quant_blend(const X* d_x, const detail::type_identity_t<L>* d_logits
   if (tokens == 0) return cudaSuccess;
   detail::LaunchLimits limits;
   QBL_CUDA_RETURN_IF_ERROR((detail::launch_limits<X, G, L>(&limits)));
-  return detail::quant_blend_with(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, limits,
-                                  stream);
+  return detail::launch_quant_blend(d_x, d_logits, detail::GivenAmax{d_amax, d_scale}, d_mixed,
+                                    tokens, features, limits, stream);
 }
 
 template <typename X, typename G, typename L>
@@ -432,7 +437,7 @@ cudaError_t amax_quant_blend(const X* d_x, const detail::type_identity_t<L>* d_l
                              detail::type_identity_t<G>* d_mixed, std::int64_t tokens,
                              std::int64_t features, float* d_amax, float* d_scale,
                              void* d_workspace, cudaStream_t stream) {
-  static_assert(detail::supported_types<X, G, L>,
+  static_assert(supported_types<X, G, L>,
                 "amax_quant_blend: x, logits and mixed of one type, or fp32 x with bf16/fp16 "
                 "mixed (logits fp32 or of mixed's type)");
   QBL_CUDA_RETURN_IF_ERROR(
@@ -444,8 +449,8 @@ cudaError_t amax_quant_blend(const X* d_x, const detail::type_identity_t<L>* d_l
     return cudaErrorInvalidValue;  // before any CUDA call
   detail::LaunchLimits limits;
   QBL_CUDA_RETURN_IF_ERROR((detail::launch_limits<X, G, L>(&limits)));
-  return detail::amax_quant_blend_with(d_x, d_logits, d_mixed, tokens, features, d_amax, d_scale,
-                                       d_workspace, limits, stream);
+  return detail::launch_amax_quant_blend(d_x, d_logits, d_mixed, tokens, features, d_amax, d_scale,
+                                         d_workspace, limits, stream);
 }
 
 }  // namespace qbl

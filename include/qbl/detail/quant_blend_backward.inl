@@ -46,23 +46,23 @@ struct CompensatedSum {
   __device__ __forceinline__ float value() const { return sub_rn(sum, low); }
 };
 
-/// The backward's vector arithmetic for g_mixed of type G, x of type X, logits of type L and
+/// The backward's vector arithmetic for x of type X, g_mixed of type G, logits of type L and
 /// width N, given one row's gate and the launch's scale: `sums` adds a vector's RN_X(g * x_q)
 /// and RN_X(g * x) to the two compensated sums, element by element; `grad_x` is grad_x_from for
 /// each element. The general case runs qbl/element_math.cuh element by element (with the
 /// division-free code of fake_quant_from_reciprocal); the products and sums are in X, the
 /// promoted type of every supported combination.
-template <typename G, typename X, typename L, int N, typename Enable = void>
+template <typename X, typename G, typename L, int N, typename Enable = void>
 struct QuantBlendGradMath {
   float scale, y, alpha, one_minus_alpha, zero_grad;
-  QuantGrad mode;
-  __device__ __forceinline__ QuantBlendGradMath(float s, float a, float oma, QuantGrad m)
+  QuantGrad quant_grad;
+  __device__ __forceinline__ QuantBlendGradMath(float s, float a, float oma, QuantGrad qg)
       : scale(s),
         y(code_reciprocal(s)),
         alpha(a),
         one_minus_alpha(oma),
         zero_grad(zero_quant_grad(s)),
-        mode(m) {}
+        quant_grad(qg) {}
   __device__ __forceinline__ void sums(const Vec<G, N>& g, const Vec<X, N>& x, CompensatedSum& q,
                                        CompensatedSum& s) const {
 #pragma unroll
@@ -76,8 +76,8 @@ struct QuantBlendGradMath {
     Vec<X, N> out;
 #pragma unroll
     for (int j = 0; j < N; ++j)
-      out.v[j] =
-          from_float<X>(grad_x_from<X>(to_float(g.v[j]), alpha, one_minus_alpha, zero_grad, mode));
+      out.v[j] = from_float<X>(
+          grad_x_from<X>(to_float(g.v[j]), alpha, one_minus_alpha, zero_grad, quant_grad));
     return out;
   }
 };
@@ -95,12 +95,12 @@ struct QuantBlendGradMath<T, T, T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && s
   static constexpr int pairs = N / 2;
   QuantBlendMath<T, T, T, N> forward;
   T2 alpha2, one_minus_alpha2, zero_grad2;
-  QuantGrad mode;
-  __device__ __forceinline__ QuantBlendGradMath(float s, float a, float oma, QuantGrad m)
+  QuantGrad quant_grad;
+  __device__ __forceinline__ QuantBlendGradMath(float s, float a, float oma, QuantGrad qg)
       : alpha2(P::broadcast(a)),
         one_minus_alpha2(P::broadcast(oma)),
         zero_grad2(P::broadcast(zero_quant_grad(s))),
-        mode(m) {
+        quant_grad(qg) {
     forward.set_scale(s);
   }
   static __device__ __forceinline__ float pairwise(float (&v)[pairs]) {
@@ -133,8 +133,8 @@ struct QuantBlendGradMath<T, T, T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && s
 #pragma unroll
     for (int p = 0; p < pairs; ++p) {
       const T2 direct = P::mul(g2[p], one_minus_alpha2);
-      r[p] =
-          P::add(mode == QuantGrad::straight_through ? P::mul(g2[p], alpha2) : zero_grad2, direct);
+      r[p] = P::add(quant_grad == QuantGrad::straight_through ? P::mul(g2[p], alpha2) : zero_grad2,
+                    direct);
     }
     Vec<T, N> out;
     std::memcpy(&out, r, sizeof out);
@@ -148,12 +148,12 @@ struct QuantBlendGradMath<T, T, T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && s
 /// of a pair get the same bits), so the result is deterministic. grad_x may alias g_mixed where
 /// they are one type (each element is read before the same thread writes it, and a lane's loads
 /// of a group all come before its stores), so neither carries __restrict__.
-template <typename G, typename X, typename L, int N>
+template <typename X, typename G, typename L, int N>
 QBL_KERNEL void __launch_bounds__(backward_block_threads)
     quant_blend_backward_kernel(const G* g_mixed, const X* __restrict__ x,
                                 const L* __restrict__ logits, const float* __restrict__ scale_in,
                                 X* grad_x, L* __restrict__ grad_logits, std::int64_t tokens,
-                                std::int64_t features, QuantGrad mode) {
+                                std::int64_t features, QuantGrad quant_grad) {
   constexpr int U = backward_vectors_in_flight;
   const std::int64_t row =
       static_cast<std::int64_t>(blockIdx.x) * backward_rows_per_block + threadIdx.x / 32;
@@ -179,7 +179,7 @@ QBL_KERNEL void __launch_bounds__(backward_block_threads)
   // The first group's loads go out before the gate's exp and the scale's reciprocal.
   load(lane);
   const float alpha = sigmoid<L>(to_float(logits[row]));
-  const QuantBlendGradMath<G, X, L, N> math(*scale_in, alpha, one_minus<L>(alpha), mode);
+  const QuantBlendGradMath<X, G, L, N> math(*scale_in, alpha, one_minus<L>(alpha), quant_grad);
   CompensatedSum sum_q, sum_x;
   for (std::int64_t c0 = lane; c0 < cols; c0 += 32 * U) {
     if (c0 != lane) load(c0);
@@ -206,17 +206,46 @@ QBL_KERNEL void __launch_bounds__(backward_block_threads)
         grad_logit_value<L>(grad_alpha_value<X, L>(sum_q.value(), sum_x.value()), alpha));
 }
 
-template <typename G, typename X, typename L, int N>
-cudaError_t launch_quant_blend_backward(const G* g_mixed, const X* x, const L* logits,
-                                        const float* scale, X* grad_x, L* grad_logits,
-                                        std::int64_t tokens, std::int64_t features, QuantGrad mode,
-                                        cudaStream_t stream) {
+template <typename X, typename G, typename L, int N>
+cudaError_t launch_quant_blend_backward_kernel(const G* g_mixed, const X* x, const L* logits,
+                                               const float* scale, X* grad_x, L* grad_logits,
+                                               std::int64_t tokens, std::int64_t features,
+                                               QuantGrad quant_grad, cudaStream_t stream) {
   const std::int64_t blocks = ceil_div<std::int64_t>(tokens, backward_rows_per_block);
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  quant_blend_backward_kernel<G, X, L, N>
+  quant_blend_backward_kernel<X, G, L, N>
       <<<static_cast<unsigned>(blocks), backward_block_threads, 0, stream>>>(
-          g_mixed, x, logits, scale, grad_x, grad_logits, tokens, features, mode);
+          g_mixed, x, logits, scale, grad_x, grad_logits, tokens, features, quant_grad);
   return cudaGetLastError();
+}
+
+/// qbl::quant_blend_backward's body (the backward plan calls it directly): checks, then the
+/// kernel with 16-byte vectors where every buffer allows them.
+template <typename X, typename G, typename L>
+cudaError_t launch_quant_blend_backward(const G* d_g_mixed, const X* d_x, const L* d_logits,
+                                        const float* d_scale, X* d_grad_x, L* d_grad_logits,
+                                        std::int64_t tokens, std::int64_t features,
+                                        QuantGrad quant_grad, cudaStream_t stream) {
+  if (tokens < 0 || features <= 0) return cudaErrorInvalidValue;
+  if (tokens == 0 || (d_grad_x == nullptr && d_grad_logits == nullptr)) return cudaSuccess;
+  if (d_g_mixed == nullptr || d_logits == nullptr || d_scale == nullptr ||
+      (d_grad_logits != nullptr && d_x == nullptr))
+    return cudaErrorInvalidValue;
+  constexpr int N = vec16<X>;
+  const bool vec = features % N == 0 && is_aligned(d_g_mixed, N * sizeof(G)) &&
+                   (d_grad_logits == nullptr || is_aligned(d_x, 16)) &&
+                   (d_grad_x == nullptr || is_aligned(d_grad_x, 16));
+  // In place only where the two are one type: grad_x over g_mixed itself.
+  if constexpr (!std::is_same_v<G, X>) {
+    if (static_cast<const void*>(d_grad_x) == static_cast<const void*>(d_g_mixed))
+      return cudaErrorInvalidValue;
+  }
+  return vec ? launch_quant_blend_backward_kernel<X, G, L, N>(d_g_mixed, d_x, d_logits, d_scale,
+                                                              d_grad_x, d_grad_logits, tokens,
+                                                              features, quant_grad, stream)
+             : launch_quant_blend_backward_kernel<X, G, L, 1>(d_g_mixed, d_x, d_logits, d_scale,
+                                                              d_grad_x, d_grad_logits, tokens,
+                                                              features, quant_grad, stream);
 }
 
 // ---- the bias gradient: column sums ----------------------------------------------------------
@@ -319,8 +348,9 @@ QBL_KERNEL void __launch_bounds__(column_sum_finish_threads)
 }
 
 template <typename T, int N>
-cudaError_t launch_column_sum(const T* g, T* out, std::int64_t rows, std::int64_t cols,
-                              bool accumulate, float* partials, int splits, cudaStream_t stream) {
+cudaError_t launch_column_sum_kernels(const T* g, T* out, std::int64_t rows, std::int64_t cols,
+                                      bool accumulate, float* partials, int splits,
+                                      cudaStream_t stream) {
   const std::int64_t col_blocks =
       ceil_div<std::int64_t>(ceil_div<std::int64_t>(cols, N), column_sum_lanes);
   if (col_blocks > 0x7fffffff) return cudaErrorInvalidValue;
@@ -339,7 +369,7 @@ cudaError_t launch_column_sum(const T* g, T* out, std::int64_t rows, std::int64_
 
 /// qbl::bias_grad with the multiprocessor count given (the backward plan asks for it once).
 template <typename T>
-cudaError_t bias_grad_launch(const T* d_grad_out, T* d_grad_bias, std::int64_t tokens,
+cudaError_t launch_bias_grad(const T* d_grad_out, T* d_grad_bias, std::int64_t tokens,
                              std::int64_t outs, bool accumulate, void* d_workspace, int sms,
                              cudaStream_t stream) {
   if (tokens < 0 || outs <= 0) return cudaErrorInvalidValue;
@@ -352,62 +382,27 @@ cudaError_t bias_grad_launch(const T* d_grad_out, T* d_grad_bias, std::int64_t t
   const int n = vec ? V : 1;
   const int splits = column_sum_splits(tokens, outs, n, sms, d_workspace != nullptr);
   auto* partials = static_cast<float*>(d_workspace);
-  return vec ? launch_column_sum<T, V>(d_grad_out, d_grad_bias, tokens, outs, accumulate, partials,
-                                       splits, stream)
-             : launch_column_sum<T, 1>(d_grad_out, d_grad_bias, tokens, outs, accumulate, partials,
-                                       splits, stream);
-}
-
-/// grad_bias[i] = RN_T(grad_bias[i] + add[i]): autograd's accumulation of a parameter gradient.
-template <typename T>
-QBL_KERNEL void accumulate_kernel(T* __restrict__ grad_bias, const T* __restrict__ add,
-                                  std::int64_t n) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) grad_bias[i] = from_float<T>(add_rn(to_float(grad_bias[i]), to_float(add[i])));
-}
-
-template <typename T>
-cudaError_t accumulate_into(T* d_dst, const T* d_add, std::int64_t n, cudaStream_t stream) {
-  if (n <= 0) return n == 0 ? cudaSuccess : cudaErrorInvalidValue;
-  const std::int64_t blocks = ceil_div<std::int64_t>(n, 256);
-  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  accumulate_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(d_dst, d_add, n);
-  return cudaGetLastError();
+  return vec ? launch_column_sum_kernels<T, V>(d_grad_out, d_grad_bias, tokens, outs, accumulate,
+                                               partials, splits, stream)
+             : launch_column_sum_kernels<T, 1>(d_grad_out, d_grad_bias, tokens, outs, accumulate,
+                                               partials, splits, stream);
 }
 
 }  // namespace qbl::detail
 
 namespace qbl {
 
-template <typename G, typename X, typename L>
-cudaError_t quant_blend_backward(const G* d_g_mixed, const detail::type_identity_t<X>* d_x,
+template <typename X, typename G, typename L>
+cudaError_t quant_blend_backward(const detail::type_identity_t<G>* d_g_mixed, const X* d_x,
                                  const detail::type_identity_t<L>* d_logits, const float* d_scale,
                                  detail::type_identity_t<X>* d_grad_x,
                                  detail::type_identity_t<L>* d_grad_logits, std::int64_t tokens,
                                  std::int64_t features, QuantGrad quant_grad, cudaStream_t stream) {
-  static_assert(detail::supported_types<X, G, L>,
+  static_assert(supported_types<X, G, L>,
                 "quant_blend_backward: one element type, or fp32 x with a bf16/fp16 g_mixed "
                 "(logits fp32 or of g_mixed's type)");
-  if (tokens < 0 || features <= 0) return cudaErrorInvalidValue;
-  if (tokens == 0 || (d_grad_x == nullptr && d_grad_logits == nullptr)) return cudaSuccess;
-  if (d_g_mixed == nullptr || d_logits == nullptr || d_scale == nullptr ||
-      (d_grad_logits != nullptr && d_x == nullptr))
-    return cudaErrorInvalidValue;
-  constexpr int N = detail::vec16<X>;
-  const bool vec = features % N == 0 && detail::is_aligned(d_g_mixed, N * sizeof(G)) &&
-                   (d_grad_logits == nullptr || detail::is_aligned(d_x, 16)) &&
-                   (d_grad_x == nullptr || detail::is_aligned(d_grad_x, 16));
-  // In place only where the two are one type: grad_x over g_mixed itself.
-  if constexpr (!std::is_same_v<G, X>) {
-    if (static_cast<const void*>(d_grad_x) == static_cast<const void*>(d_g_mixed))
-      return cudaErrorInvalidValue;
-  }
-  return vec ? detail::launch_quant_blend_backward<G, X, L, N>(d_g_mixed, d_x, d_logits, d_scale,
-                                                               d_grad_x, d_grad_logits, tokens,
-                                                               features, quant_grad, stream)
-             : detail::launch_quant_blend_backward<G, X, L, 1>(d_g_mixed, d_x, d_logits, d_scale,
-                                                               d_grad_x, d_grad_logits, tokens,
-                                                               features, quant_grad, stream);
+  return detail::launch_quant_blend_backward(d_g_mixed, d_x, d_logits, d_scale, d_grad_x,
+                                             d_grad_logits, tokens, features, quant_grad, stream);
 }
 
 template <typename T>
@@ -420,7 +415,7 @@ cudaError_t bias_grad(const T* d_grad_out, T* d_grad_bias, std::int64_t tokens, 
     return cudaErrorInvalidValue;  // before any CUDA call
   int sms = 0;
   QBL_CUDA_RETURN_IF_ERROR(detail::sm_count(&sms));
-  return detail::bias_grad_launch(d_grad_out, d_grad_bias, tokens, outs, accumulate, d_workspace,
+  return detail::launch_bias_grad(d_grad_out, d_grad_bias, tokens, outs, accumulate, d_workspace,
                                   sms, stream);
 }
 

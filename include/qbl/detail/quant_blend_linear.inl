@@ -30,6 +30,7 @@ QuantBlendLinear<X, G, L>::QuantBlendLinear(std::int64_t in_features, std::int64
       backward_(options.backward ? std::make_unique<BackwardPlan<X, G, L>>(
                                        in_features, out_features, max_tokens, options)
                                  : nullptr),
+      side_(backward_ && backward_->overlaps(1) ? std::make_unique<SideStream>() : nullptr),
       workspace_(std::max(forward_.workspace_bytes(),
                           backward_ ? backward_->workspace_bytes() : std::size_t{0}),
                  options.allocator),
@@ -69,13 +70,7 @@ Args QuantBlendLinear<X, G, L>::own_buffers(Args args, bool stats_optional) cons
 
 template <typename X, typename G, typename L>
 void QuantBlendLinear<X, G, L>::forward(const ForwardArguments& args, cudaStream_t stream) {
-  forward_.run(own_buffers(args), workspace_.get(), stream, AmaxSource::x);
-}
-
-template <typename X, typename G, typename L>
-void QuantBlendLinear<X, G, L>::forward_from_amax(const ForwardArguments& args,
-                                                  cudaStream_t stream) {
-  forward_.run(own_buffers(args), workspace_.get(), stream, AmaxSource::stats);
+  forward_.run(own_buffers(args), workspace_.get(), stream);
 }
 
 template <typename X, typename G, typename L>
@@ -90,7 +85,7 @@ void QuantBlendLinear<X, G, L>::backward(const BackwardArguments& args, cudaStre
   const BackwardArguments a = own_buffers(args, /*stats_optional=*/true);
   QBL_EXPECTS(backward_ != nullptr, qbl::logic_error,
               "backward() needs a QuantBlendLinear constructed with Options::backward = true");
-  backward_->run(a, workspace_.get(), stream);
+  backward_->run(a, workspace_.get(), side_.get(), stream);
 }
 
 }  // namespace qbl

@@ -3,6 +3,7 @@
 
 #include <qbl/detail/align.hpp>
 #include <qbl/detail/config.cuh>
+#include <qbl/types.hpp>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -60,16 +61,6 @@ QBL_HOST_DEVICE __half from_float<__half>(float v) {
 template <typename T>
 inline constexpr bool is_element =
     std::is_same_v<T, float> || std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;
-
-/// The element types a layer supports: X for x, G for the GEMM (mixed, weight, bias, out), L for
-/// the logits. One type for all three; or fp32 activations with a bf16 or fp16 GEMM, the logits
-/// in either (what PyTorch's autocast gives: fp32 LayerNorm output, a bf16 gate). In every
-/// supported combination the blend's promoted type is X.
-template <typename X, typename G, typename L>
-inline constexpr bool supported_types = is_element<X>&& is_element<G>&& is_element<L> &&
-                                        (std::is_same_v<G, X> ||
-                                         std::is_same_v<X, float>)&&(std::is_same_v<L, X> ||
-                                                                     std::is_same_v<L, G>);
 
 /// T itself, in a context where it is not deduced (C++20's std::type_identity_t): a parameter of
 /// a launcher that may be nullptr takes its type from the others.

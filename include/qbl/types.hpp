@@ -1,0 +1,58 @@
+// qbl/types.hpp -- the element types qbl supports, as one list: the plans check against it, a
+// binding dispatches over it and the tests are parameterized by it.
+//
+//   qbl::for_each_type(qbl::SupportedTypes{}, [&](auto t) {
+//     using T = decltype(t);   // a qbl::LayerTypes<X, G, L>
+//     if (matches<typename T::x_type, typename T::gemm_type, typename T::logits_type>()) ...
+//   });
+//
+// Host-only: a plain C++ translation unit can include it.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+namespace qbl {
+
+/// A list of types, for compile-time iteration (for_each_type) and membership (contains_type).
+template <typename... T>
+struct TypeList {};
+
+/// The element types of one layer: X for x (and grad_x), G for the GEMM (mixed, weight, bias, out
+/// and their gradients), L for the logits (and grad_logits).
+template <typename X, typename G = X, typename L = X>
+struct LayerTypes {
+  using x_type = X;
+  using gemm_type = G;
+  using logits_type = L;
+};
+
+/// Every element-type combination of a layer: one type throughout (float, __nv_bfloat16,
+/// __half), or fp32 x with a bf16 or fp16 GEMM and the logits in fp32 or in the GEMM's type --
+/// what PyTorch's autocast hands a layer (fp32 activations, a 16-bit gate). In each of them the
+/// blend's promoted type is X.
+using SupportedTypes =
+    TypeList<LayerTypes<float>, LayerTypes<__nv_bfloat16>, LayerTypes<__half>,
+             LayerTypes<float, __nv_bfloat16, float>,
+             LayerTypes<float, __nv_bfloat16, __nv_bfloat16>, LayerTypes<float, __half, float>,
+             LayerTypes<float, __half, __half>>;
+
+/// Calls f(T{}) for each T of the list, in order.
+template <typename... T, typename F>
+constexpr void for_each_type(TypeList<T...>, F&& f) {
+  (f(T{}), ...);
+}
+
+/// Is T one of the list's types?
+template <typename List, typename T>
+inline constexpr bool contains_type = false;
+template <typename... Ts, typename T>
+inline constexpr bool contains_type<TypeList<Ts...>, T> = (std::is_same_v<Ts, T> || ...);
+
+/// Is <X, G, L> a supported combination (one of SupportedTypes)?
+template <typename X, typename G = X, typename L = X>
+inline constexpr bool supported_types = contains_type<SupportedTypes, LayerTypes<X, G, L>>;
+
+}  // namespace qbl
