@@ -12,6 +12,7 @@
 // The result stays on the device; the launcher never synchronizes.
 #pragma once
 
+#include <qbl/activation.cuh>
 #include <qbl/detail/config.cuh>
 #include <qbl/detail/vec.cuh>
 #include <qbl/element_math.cuh>
@@ -60,11 +61,12 @@ class BlockAbsMax {
 
 /// Writes max |x[i]| over i in [0, n) to *d_amax on `stream`: NaN if any element is NaN, +Inf if
 /// any is infinite (and none NaN), 0 for n == 0. Any alignment of d_x is accepted; 16-byte
-/// vector loads are used from the first aligned element on.
+/// vector loads are used from the first aligned element on. With an activation (qbl::Gelu, ...:
+/// qbl/activation.cuh), the max of |act(x[i])|, act(x[i]) rounded to T.
 ///
 /// Enqueues a 4-byte memset of *d_amax and one kernel; no synchronization, no allocation.
 /// Returns the first CUDA error (from the launch or the memset).
-template <typename T>
+template <typename T, typename Act = Identity>
 cudaError_t amax(const T* d_x, std::int64_t n, float* d_amax, cudaStream_t stream = nullptr);
 
 }  // namespace qbl

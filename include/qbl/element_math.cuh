@@ -73,6 +73,15 @@ QBL_HOST_DEVICE float div_rn(float a, float b) {
 #endif
 }
 
+/// a * b + c with one rounding (where eager's nvcc-compiled kernels contract a product into a sum).
+QBL_HOST_DEVICE float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
 /// Round to nearest integer, ties to even (torch.round == nearbyint in the default mode).
 QBL_HOST_DEVICE float round_half_even(float v) {
 #if defined(__CUDA_ARCH__)

@@ -1,15 +1,22 @@
 // qbl/layer_plans.cuh -- the layer as two immutable plans, in the manner of CUTLASS's device-level
 // operators (can_implement / get_workspace_size / run over an Arguments struct):
 //
-//   qbl::ForwardPlan<X, G, L>   the prologue (amax, quant-blend) and the forward GEMM
-//   qbl::BackwardPlan<X, G, L>  the dgrad and wgrad GEMMs, the quant-blend backward and the bias
-//                               gradient, wgrad beside dgrad on a caller's qbl::SideStream
+//   qbl::ForwardPlan<X, G, L, Act>   the prologue (amax, quant-blend) and the forward GEMM
+//   qbl::BackwardPlan<X, G, L, Act>  the dgrad and wgrad GEMMs, the quant-blend backward and the
+//                                    bias gradient, wgrad beside dgrad on a caller's SideStream
 //
 // Element types: X for x (and grad_x), G for the GEMM (mixed, weight, bias, out and their
 // gradients), L for the logits (and grad_logits): one of qbl::SupportedTypes (qbl/types.hpp) --
 // one type for all three (float, __nv_bfloat16, __half; G and L default to X), or fp32 x with a
 // bf16 or fp16 GEMM and the logits in fp32 or in the GEMM's type, what PyTorch's autocast gives a
 // layer, computed as eager computes the reference module under autocast.
+//
+// Act: the input activation (qbl/activation.cuh; default qbl::Identity, none). With one, `x` is
+// the activation's input h and the layer computes Linear(blend(quant(act(h)))) as eager computes
+// the reference module fed with F.gelu(h) (or tanh-GELU, ReLU, SiLU): act(h) rounded to X in the
+// prologue's both passes, never stored; the backward recomputes it from h, and grad_x is the
+// gradient of h. The backward can also recompute `mixed` (BackwardArgs::mixed null), so that a
+// training framework keeps only x, the logits and the 8 bytes of stats between the two.
 //
 // A plan is made once per shape (it plans cuBLASLt for every token count up to max_tokens) and
 // holds nothing mutable: every run() takes the caller's workspace of workspace_bytes() and, for a
@@ -81,17 +88,19 @@ struct ForwardArgs {
 };
 
 /// The forward: amax, quant-blend and the GEMM, for one shape and every token count up to
-/// max_tokens.
-template <typename X, typename G = X, typename L = X>
+/// max_tokens; with an activation Act, of act(x).
+template <typename X, typename G = X, typename L = X, typename Act = Identity>
 class ForwardPlan {
   static_assert(supported_types<X, G, L>,
                 "ForwardPlan<X, G, L>: one element type, or fp32 x with a bf16/fp16 GEMM and the "
                 "logits in fp32 or in the GEMM's type");
+  static_assert(detail::is_activation<Act>, "ForwardPlan: Act is one of qbl::Activations");
 
  public:
   using x_type = X;
   using gemm_type = G;
   using logits_type = L;
+  using activation = Act;
   using Arguments = ForwardArgs<X, G, L>;
 
   /// Plans the GEMM on the current device, which every run() must also run on.
@@ -126,7 +135,7 @@ class ForwardPlan {
   ///         anything is launched; qbl::cuda_error / qbl::cublas_error if a launch fails.
   void run(const Arguments& args, void* workspace, cudaStream_t stream = nullptr) const;
 
-  /// A sharded forward's first step: stats[0] = max |x| over these tokens (0 for tokens == 0,
+  /// A sharded forward's first step: stats[0] = max |act(x)| over these tokens (0 for tokens == 0,
   /// the identity of the reduction); stats[1] is not touched. Then the caller reduces stats[0] over
   /// the shards -- as an unsigned integer max of its bits, which for a float with a clear sign bit
   /// orders like the value, with every NaN above +Inf: the NaN-propagating max that a float MAX
@@ -191,10 +200,13 @@ class SideStream {
 };
 
 /// One backward's tensors: grad_out [tokens, out_features] is dL/dout; x, logits and weight are
-/// the forward's inputs, `mixed` and `stats` what it saved. Gradient outputs may be nullptr (not
-/// wanted: that work is skipped); x is read only for grad_logits, `mixed` only for grad_weight,
-/// weight, logits and stats only for grad_x and grad_logits. Outputs must not overlap an input or
-/// each other.
+/// the forward's inputs, `mixed` and `stats` what it saved -- or `mixed` null: then, where
+/// grad_weight is wanted, it is recomputed from x, logits and stats in the backward's element
+/// kernel (bit for bit what the forward wrote; wgrad then runs after it). Gradient outputs may be
+/// nullptr (not wanted: that work is skipped). What is read: weight for grad_x and grad_logits;
+/// logits and stats for those and a recomputed mixed; x for grad_logits, a recomputed mixed and,
+/// with an activation, grad_x; `mixed` for grad_weight. Outputs must not overlap an input or each
+/// other.
 template <typename X, typename G = X, typename L = X>
 struct BackwardArgs {
   const G* grad_out = nullptr;
@@ -222,16 +234,20 @@ struct BackwardArgs {
 ///   grad_logits = sigmoid_backward(sum_f g_mixed * x_q - sum_f g_mixed * x, alpha)
 ///   grad_weight = gᵀ · mixed                                  (wgrad GEMM)
 ///   grad_bias   = sum over tokens of g                        (qbl::bias_grad's column sum)
-template <typename X, typename G = X, typename L = X>
+/// With an activation, x in these formulas is act(x) and grad_x becomes RN_X(act'(grad_x, x)),
+/// the gradient of the layer's input.
+template <typename X, typename G = X, typename L = X, typename Act = Identity>
 class BackwardPlan {
   static_assert(supported_types<X, G, L>,
                 "BackwardPlan<X, G, L>: one element type, or fp32 x with a bf16/fp16 GEMM and the "
                 "logits in fp32 or in the GEMM's type");
+  static_assert(detail::is_activation<Act>, "BackwardPlan: Act is one of qbl::Activations");
 
  public:
   using x_type = X;
   using gemm_type = G;
   using logits_type = L;
+  using activation = Act;
   using Arguments = BackwardArgs<X, G, L>;
 
   /// Plans dgrad and wgrad on the current device and decides where wgrad may run beside dgrad
@@ -245,10 +261,13 @@ class BackwardPlan {
   BackwardPlan(const BackwardPlan&) = delete;
   BackwardPlan& operator=(const BackwardPlan&) = delete;
 
-  /// Device bytes a run() with up to `tokens` tokens needs (default: max_tokens): the GEMMs'
-  /// cuBLASLt workspaces (two where wgrad may run beside dgrad), the column sum's partial sums,
-  /// and a g_mixed scratch of [tokens, in_features] in G (used when grad_x is not wanted or is
-  /// of another type). Needs no initialization; not shared with concurrent work.
+  /// Device bytes run(args) needs: the GEMMs' cuBLASLt workspaces (two where wgrad may run beside
+  /// dgrad), the column sum's partial sums, a g_mixed scratch of [tokens, in_features] in G (used
+  /// when grad_x is not wanted or is of another type) and, where mixed is recomputed (args.mixed
+  /// null with grad_weight wanted), room for it. Needs no initialization; not shared with
+  /// concurrent work.
+  std::size_t workspace_bytes(const Arguments& args) const noexcept;
+  /// The most any run() with up to `tokens` tokens needs (default: max_tokens).
   std::size_t workspace_bytes(std::int64_t tokens) const noexcept;
   std::size_t workspace_bytes() const noexcept { return workspace_bytes(max_tokens()); }
 
@@ -257,7 +276,7 @@ class BackwardPlan {
                                          std::int64_t max_tokens, std::int64_t tokens,
                                          const Options& options) noexcept;
 
-  /// Would run() accept these arguments (with a workspace of workspace_bytes(tokens))?
+  /// Would run() accept these arguments (with a workspace of workspace_bytes(args))?
   bool supports(const Arguments& args) const noexcept;
 
   /// The backward on `stream`. When both GEMMs run, overlaps(tokens) and `side` is given, wgrad
@@ -282,8 +301,18 @@ class BackwardPlan {
  private:
   struct Layout;  // offsets of the workspace's parts
   static Layout layout_for(std::int64_t in, std::int64_t out, std::int64_t tokens,
-                           std::size_t cublas_workspace_bytes, bool two_gemm_workspaces) noexcept;
-  Layout layout(std::int64_t tokens) const noexcept;
+                           std::size_t cublas_workspace_bytes, bool two_gemm_workspaces,
+                           bool recompute) noexcept;
+  Layout layout(std::int64_t tokens, bool recompute) const noexcept;
+  /// Is mixed recomputed in this run (grad_weight wanted, no mixed given)?
+  static bool recomputes(const Arguments& a) noexcept {
+    return a.grad_weight != nullptr && a.mixed == nullptr;
+  }
+  /// Does this run read x: for grad_logits, a recomputed mixed, or an activation's grad_x?
+  static bool needs_x(const Arguments& a) noexcept {
+    return a.grad_logits != nullptr || recomputes(a) ||
+           (a.grad_x != nullptr && !std::is_same_v<Act, Identity>);
+  }
   detail::Check check(const Arguments& args) const noexcept;
 
   GemmPlan<G> dgrad_, wgrad_;

@@ -7,6 +7,7 @@
 
 #include <qbl/detail/config.cuh>  // first: it stops a non-CUDA compile with one clear error
 
+#include <qbl/activation.cuh>
 #include <qbl/amax.cuh>
 #include <qbl/element_math.cuh>
 #include <qbl/error.hpp>

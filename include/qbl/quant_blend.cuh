@@ -22,6 +22,7 @@
 // elements and a row is a whole number of vectors; otherwise the kernel runs element by element.
 #pragma once
 
+#include <qbl/activation.cuh>
 #include <qbl/amax.cuh>
 #include <qbl/detail/config.cuh>
 #include <qbl/detail/vec.cuh>
@@ -42,8 +43,9 @@ namespace qbl {
 ///
 /// One kernel launch, no synchronization. tokens == 0 launches nothing. The element types are
 /// x's (deduced), mixed's and the logits' (both x's unless given: quant_blend<float, __nv_bfloat16>
-/// for fp32 x and logits into a bf16 mixed).
-template <typename X, typename G = X, typename L = X>
+/// for fp32 x and logits into a bf16 mixed). With an activation Act (qbl/activation.cuh), x is
+/// the activation's input and the stage blends act(x), rounded to X; d_amax is max |act(x)|.
+template <typename X, typename G = X, typename L = X, typename Act = Identity>
 cudaError_t quant_blend(const X* d_x, const detail::type_identity_t<L>* d_logits,
                         const float* d_amax, detail::type_identity_t<G>* d_mixed,
                         std::int64_t tokens, std::int64_t features, float* d_scale = nullptr,
@@ -57,8 +59,8 @@ cudaError_t quant_blend(const X* d_x, const detail::type_identity_t<L>* d_logits
 /// dependent (Hopper and later: it issues its loads of x before it waits for the amax kernel),
 /// which combines them. Nothing is memset and the workspace needs no initialization:
 /// `amax_quant_blend_workspace_bytes` bytes, 4-byte aligned, not shared with concurrent work.
-/// Element types as quant_blend's.
-template <typename X, typename G = X, typename L = X>
+/// Element types and activation as quant_blend's.
+template <typename X, typename G = X, typename L = X, typename Act = Identity>
 cudaError_t amax_quant_blend(const X* d_x, const detail::type_identity_t<L>* d_logits,
                              detail::type_identity_t<G>* d_mixed, std::int64_t tokens,
                              std::int64_t features, float* d_amax, float* d_scale,

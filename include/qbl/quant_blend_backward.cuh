@@ -24,6 +24,7 @@
 // vectors of x where all three allow them and a row is a whole number of vectors).
 #pragma once
 
+#include <qbl/activation.cuh>
 #include <qbl/detail/config.cuh>
 #include <qbl/detail/vec.cuh>
 #include <qbl/element_math.cuh>
@@ -37,7 +38,8 @@ namespace qbl {
 /// grad_x and grad_logits of the quant-blend stage.
 ///
 /// \param d_g_mixed      [tokens, features] dL/dmixed
-/// \param d_x            [tokens, features] the forward's input (read only for grad_logits)
+/// \param d_x            [tokens, features] the forward's input (read for grad_logits, and for
+///                       grad_x with an activation)
 /// \param d_logits       [tokens] the forward's gate logits
 /// \param d_scale        device scalar: the forward's scale (stats[1] of the layer's forward)
 /// \param d_grad_x       [tokens, features] output, or nullptr (not wanted). Where G and X are
@@ -50,8 +52,11 @@ namespace qbl {
 /// launches nothing. Returns cudaErrorInvalidValue (nothing launched) for negative sizes or a
 /// null input that a wanted output needs. The element types are x's (deduced from d_x), the
 /// GEMM's and the logits' (both x's unless given: quant_blend_backward<float, __nv_bfloat16>
-/// for fp32 x and logits with a bf16 g_mixed; with a null d_x, name X too).
-template <typename X, typename G = X, typename L = X>
+/// for fp32 x and logits with a bf16 g_mixed; with a null d_x, name X too). With an activation
+/// Act (qbl/activation.cuh), x is the activation's input h, the sums use act(h) as the forward
+/// did, and grad_x is the gradient of h: RN_X(act'(RN_X(grad_x), h)) -- then d_x is needed for
+/// grad_x too.
+template <typename X, typename G = X, typename L = X, typename Act = Identity>
 cudaError_t quant_blend_backward(const detail::type_identity_t<G>* d_g_mixed, const X* d_x,
                                  const detail::type_identity_t<L>* d_logits, const float* d_scale,
                                  detail::type_identity_t<X>* d_grad_x,

@@ -53,12 +53,13 @@
 namespace qbl {
 
 /// The fused quantize-blend-linear layer. X: x's type; G: the GEMM's (mixed, weight, bias, out
-/// and their gradients); L: the logits'. float, __nv_bfloat16 or __half, one for all three; or
+/// and their gradients); L: the logits'; Act: the input activation (qbl/activation.cuh: Identity,
+/// the default, or Gelu, GeluTanh, Relu, Silu), applied to x inside the layer. float, __nv_bfloat16 or __half, one for all three; or
 /// fp32 x with a bf16/fp16 GEMM, the logits fp32 or of the GEMM's type (qbl/layer_plans.cuh).
 /// For 16-bit types each element op runs in fp32 and is rounded to the type, as eager does; amax
 /// and scale are held in fp32 on the device, with the values eager's tensors hold; 16-bit GEMMs
 /// run on the tensor cores with fp32 accumulation.
-template <typename X, typename G = X, typename L = X>
+template <typename X, typename G = X, typename L = X, typename Act = Identity>
 class QuantBlendLinear {
  public:
   using x_type = X;
@@ -121,7 +122,10 @@ class QuantBlendLinear {
   /// instance's own side stream where the plan overlaps them. Needs Options::backward.
   /// `args.mixed` and `args.stats`: what the forward saved, or both null for the instance's own
   /// (those of its last forward without caller buffers). With `args.mixed` given, `args.stats`
-  /// may be null where nothing asked for needs it (only grad_weight and grad_bias wanted).
+  /// may be null where nothing asked for needs it (only grad_weight and grad_bias wanted). With
+  /// `args.stats` given and `args.mixed` null, mixed is recomputed from x and the stats (bit for
+  /// bit what the forward wrote): a caller that keeps only x, logits and the 8 bytes of stats
+  /// between forward and backward passes its forward a scratch `mixed` it reuses.
   /// \throws qbl::logic_error (no Options::backward, moved-from object), else as
   ///         BackwardPlan::run.
   void backward(const BackwardArguments& args, cudaStream_t stream = nullptr);
@@ -146,10 +150,10 @@ class QuantBlendLinear {
   /// `mixed` of that forward, [tokens, in_features] on the device.
   const G* device_mixed() const noexcept { return mixed_.as<G>(); }
 
-  const ForwardPlan<X, G, L>& forward_plan() const noexcept { return forward_; }
+  const ForwardPlan<X, G, L, Act>& forward_plan() const noexcept { return forward_; }
 
   /// The backward plan, or nullptr without Options::backward.
-  const BackwardPlan<X, G, L>* backward_plan() const noexcept { return backward_.get(); }
+  const BackwardPlan<X, G, L, Act>* backward_plan() const noexcept { return backward_.get(); }
 
   std::int64_t in_features() const noexcept { return forward_.in_features(); }
   std::int64_t out_features() const noexcept { return forward_.out_features(); }
@@ -164,13 +168,12 @@ class QuantBlendLinear {
                                      std::int64_t max_tokens, const Options& options = {});
 
  private:
-  /// args with a null mixed and stats replaced by the instance's own; `stats_optional`: a given
-  /// mixed may come with a null stats (the backward checks whether it needs them).
+  /// args with a null mixed and stats (both) replaced by the instance's own.
   template <typename Args>
-  Args own_buffers(Args args, bool stats_optional = false) const;
+  Args own_buffers(Args args) const;
 
-  ForwardPlan<X, G, L> forward_;
-  std::unique_ptr<BackwardPlan<X, G, L>> backward_;
+  ForwardPlan<X, G, L, Act> forward_;
+  std::unique_ptr<BackwardPlan<X, G, L, Act>> backward_;
   std::unique_ptr<SideStream> side_;  ///< where the backward plan may overlap its GEMMs
   detail::device_buffer workspace_, mixed_, stats_;
 };

@@ -11,22 +11,23 @@ namespace qbl::detail {
 
 inline constexpr int amax_block_threads = 512;
 
-template <typename T>
+/// abs_bits of act(v), act(v) rounded to T as eager stores the activation's output.
+template <typename Act, typename T>
 __device__ __forceinline__ std::uint32_t abs_bits_of(T v) {
-  return abs_bits(to_float(v));
+  return abs_bits(activate<Act, T>(to_float(v)));
 }
 
-template <typename T, int N>
+template <typename Act, typename T, int N>
 __device__ __forceinline__ std::uint32_t max_abs_bits(const Vec<T, N>& v, std::uint32_t m) {
 #pragma unroll
-  for (int j = 0; j < N; ++j) m = max(m, abs_bits_of(v.v[j]));
+  for (int j = 0; j < N; ++j) m = max(m, abs_bits_of<Act>(v.v[j]));
   return m;
 }
 
-/// Per-thread max of abs_bits over x[0, n): elements [0, head) and the tail scalar, the aligned
-/// middle as N-wide vectors, four independent loads in flight per iteration.
+/// Per-thread max of abs_bits over act(x[0, n)): elements [0, head) and the tail scalar, the
+/// aligned middle as N-wide vectors, four independent loads in flight per iteration.
 /// `thread` / `threads` are this thread's rank and the count taking part.
-template <typename T, int N>
+template <typename T, int N, typename Act>
 __device__ __forceinline__ std::uint32_t thread_abs_max_bits(const T* __restrict__ x,
                                                              std::int64_t n, std::int64_t head,
                                                              std::int64_t thread,
@@ -40,23 +41,23 @@ __device__ __forceinline__ std::uint32_t thread_abs_max_bits(const T* __restrict
     const Vec<T, N> b = xv[i + threads];
     const Vec<T, N> c = xv[i + 2 * threads];
     const Vec<T, N> d = xv[i + 3 * threads];
-    m = max_abs_bits(a, m);
-    m = max_abs_bits(b, m);
-    m = max_abs_bits(c, m);
-    m = max_abs_bits(d, m);
+    m = max_abs_bits<Act>(a, m);
+    m = max_abs_bits<Act>(b, m);
+    m = max_abs_bits<Act>(c, m);
+    m = max_abs_bits<Act>(d, m);
   }
-  for (; i < nvec; i += threads) m = max_abs_bits(xv[i], m);
+  for (; i < nvec; i += threads) m = max_abs_bits<Act>(xv[i], m);
   // Scalar head [0, head) and tail [head + nvec * N, n): fewer than 2 * N elements.
   const std::int64_t tail = head + nvec * N;
   const std::int64_t rest = head + (n - tail);
   for (std::int64_t r = thread; r < rest; r += threads) {
     const std::int64_t idx = r < head ? r : tail + (r - head);
-    m = max(m, abs_bits_of(x[idx]));
+    m = max(m, abs_bits_of<Act>(x[idx]));
   }
   return m;
 }
 
-template <typename T, int BLOCK_THREADS, int N>
+template <typename T, int BLOCK_THREADS, int N, typename Act>
 QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     amax_kernel(const T* __restrict__ x, std::int64_t n, std::int64_t head,
                 std::uint32_t* __restrict__ amax_bits) {
@@ -70,14 +71,14 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * BLOCK_THREADS + threadIdx.x;
   const std::int64_t threads = static_cast<std::int64_t>(gridDim.x) * BLOCK_THREADS;
   const std::uint32_t m =
-      BlockAmax(temp).reduce_bits(thread_abs_max_bits<T, N>(x, n, head, thread, threads));
+      BlockAmax(temp).reduce_bits(thread_abs_max_bits<T, N, Act>(x, n, head, thread, threads));
   if (threadIdx.x == 0 && m != 0) atomicMax(amax_bits, m);
 }
 
 /// Per-block maxima for a consumer that combines them itself (the layer's prologue: the
 /// quant-blend kernel reduces them after its grid-dependency wait). partials[blockIdx.x] gets the
 /// block's max of abs_bits: no atomics, and nothing to reset between calls.
-template <typename T, int BLOCK_THREADS, int N>
+template <typename T, int BLOCK_THREADS, int N, typename Act>
 QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     amax_partials_kernel(const T* __restrict__ x, std::int64_t n, std::int64_t head,
                          std::uint32_t* __restrict__ partials) {
@@ -89,7 +90,7 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * BLOCK_THREADS + threadIdx.x;
   const std::int64_t threads = static_cast<std::int64_t>(gridDim.x) * BLOCK_THREADS;
   const std::uint32_t m =
-      BlockAmax(temp).reduce_bits(thread_abs_max_bits<T, N>(x, n, head, thread, threads));
+      BlockAmax(temp).reduce_bits(thread_abs_max_bits<T, N, Act>(x, n, head, thread, threads));
   if (threadIdx.x == 0) partials[blockIdx.x] = m;
 }
 
@@ -120,7 +121,7 @@ std::int64_t amax_blocks(std::int64_t n, std::int64_t head, int sms) {
 
 /// qbl::amax with the device's multiprocessor count given (the plans ask for it once).
 /// `bytes_to_zero` >= 4 bytes from d_amax are zeroed first (one memset).
-template <typename T>
+template <typename Act, typename T>
 cudaError_t launch_amax(const T* d_x, std::int64_t n, float* d_amax, std::size_t bytes_to_zero,
                         int sms, cudaStream_t stream) {
   if (n < 0 || (n > 0 && d_x == nullptr) || d_amax == nullptr || sms < 1)
@@ -132,13 +133,13 @@ cudaError_t launch_amax(const T* d_x, std::int64_t n, float* d_amax, std::size_t
   constexpr int N = vec16<T>;
   const std::int64_t head = aligned_head(d_x, n);
   const std::int64_t blocks = amax_blocks<T>(n, head, sms);
-  amax_kernel<T, threads, N><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+  amax_kernel<T, threads, N, Act><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
       d_x, n, head, reinterpret_cast<std::uint32_t*>(d_amax));
   return cudaGetLastError();
 }
 
 /// The per-block maxima of x[0, n) into partials[0, *count) (n > 0); *count is the grid size.
-template <typename T>
+template <typename Act, typename T>
 cudaError_t launch_amax_partials(const T* d_x, std::int64_t n, std::uint32_t* partials, int* count,
                                  int sms, cudaStream_t stream) {
   constexpr int threads = amax_block_threads;
@@ -146,7 +147,7 @@ cudaError_t launch_amax_partials(const T* d_x, std::int64_t n, std::uint32_t* pa
   const std::int64_t head = aligned_head(d_x, n);
   const std::int64_t blocks = amax_blocks<T>(n, head, sms);
   *count = static_cast<int>(blocks);
-  amax_partials_kernel<T, threads, N>
+  amax_partials_kernel<T, threads, N, Act>
       <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(d_x, n, head, partials);
   return cudaGetLastError();
 }
@@ -155,12 +156,13 @@ cudaError_t launch_amax_partials(const T* d_x, std::int64_t n, std::uint32_t* pa
 
 namespace qbl {
 
-template <typename T>
+template <typename T, typename Act>
 cudaError_t amax(const T* d_x, std::int64_t n, float* d_amax, cudaStream_t stream) {
+  static_assert(detail::is_activation<Act>, "amax<T, Act>: Act is one of qbl::Activations");
   if (n < 0 || (n > 0 && d_x == nullptr) || d_amax == nullptr) return cudaErrorInvalidValue;
   int sms = 0;
   QBL_CUDA_RETURN_IF_ERROR(detail::sm_count(&sms));
-  return detail::launch_amax(d_x, n, d_amax, sizeof(float), sms, stream);
+  return detail::launch_amax<Act>(d_x, n, d_amax, sizeof(float), sms, stream);
 }
 
 }  // namespace qbl

@@ -71,23 +71,24 @@ inline cudaError_t SideStream::join(cudaStream_t main) noexcept {
 
 // ---- ForwardPlan --------------------------------------------------------------------------------
 
-template <typename X, typename G, typename L>
-ForwardPlan<X, G, L>::ForwardPlan(std::int64_t in_features, std::int64_t out_features,
-                                  std::int64_t max_tokens, const Options& options)
+template <typename X, typename G, typename L, typename Act>
+ForwardPlan<X, G, L, Act>::ForwardPlan(std::int64_t in_features, std::int64_t out_features,
+                                       std::int64_t max_tokens, const Options& options)
     : gemm_((detail::plan_device(in_features, out_features, max_tokens, sizeof(X)),
              GemmSpec::linear_forward(in_features, out_features)),
             max_tokens, options) {
   QBL_CUDA_TRY(cudaGetDevice(&device_));
-  QBL_CUDA_TRY((detail::launch_limits<X, G, L>(&limits_)));
+  QBL_CUDA_TRY((detail::launch_limits<X, G, L, Act>(&limits_)));
 }
 
-template <typename X, typename G, typename L>
-std::size_t ForwardPlan<X, G, L>::workspace_bytes_for(std::size_t cublas_workspace_bytes) noexcept {
+template <typename X, typename G, typename L, typename Act>
+std::size_t ForwardPlan<X, G, L, Act>::workspace_bytes_for(
+    std::size_t cublas_workspace_bytes) noexcept {
   return detail::align_up(amax_quant_blend_workspace_bytes) + cublas_workspace_bytes;
 }
 
-template <typename X, typename G, typename L>
-detail::Check ForwardPlan<X, G, L>::check(const Arguments& a) const noexcept {
+template <typename X, typename G, typename L, typename Act>
+detail::Check ForwardPlan<X, G, L, Act>::check(const Arguments& a) const noexcept {
   QBL_CHECK(gemm_.valid(), logic_error, "a moved-from ForwardPlan cannot run");
   QBL_CHECK(a.tokens >= 0, invalid_argument, "tokens must be non-negative");
   QBL_CHECK(a.tokens <= max_tokens(), out_of_range, "tokens exceeds max_tokens");
@@ -126,13 +127,14 @@ detail::Check ForwardPlan<X, G, L>::check(const Arguments& a) const noexcept {
   return {};
 }
 
-template <typename X, typename G, typename L>
-bool ForwardPlan<X, G, L>::supports(const Arguments& args) const noexcept {
+template <typename X, typename G, typename L, typename Act>
+bool ForwardPlan<X, G, L, Act>::supports(const Arguments& args) const noexcept {
   return check(args).ok();
 }
 
-template <typename X, typename G, typename L>
-void ForwardPlan<X, G, L>::run(const Arguments& a, void* workspace, cudaStream_t stream) const {
+template <typename X, typename G, typename L, typename Act>
+void ForwardPlan<X, G, L, Act>::run(const Arguments& a, void* workspace,
+                                    cudaStream_t stream) const {
   const detail::NvtxRange range("qbl forward");
   detail::raise(check(a));
   if (a.tokens == 0) return;
@@ -141,12 +143,13 @@ void ForwardPlan<X, G, L>::run(const Arguments& a, void* workspace, cudaStream_t
   const std::int64_t in = in_features();
   {
     const detail::NvtxRange prologue("qbl prologue (amax + quant_blend)");
-    QBL_CUDA_TRY(
-        a.amax_source == AmaxSource::x
-            ? detail::launch_amax_quant_blend(a.x, a.logits, a.mixed, a.tokens, in, a.stats,
-                                              a.stats + 1, workspace, limits_, stream)
-            : detail::launch_quant_blend(a.x, a.logits, detail::GivenAmax{a.stats, a.stats + 1},
-                                         a.mixed, a.tokens, in, limits_, stream));
+    QBL_CUDA_TRY((a.amax_source == AmaxSource::x
+                      ? detail::launch_amax_quant_blend<X, G, L, Act>(
+                            a.x, a.logits, a.mixed, a.tokens, in, a.stats, a.stats + 1, workspace,
+                            limits_, stream)
+                      : detail::launch_quant_blend<X, G, L, Act>(
+                            a.x, a.logits, detail::GivenAmax{a.stats, a.stats + 1}, a.mixed,
+                            a.tokens, in, limits_, stream)));
   }
   const detail::NvtxRange gemm("qbl gemm");
   void* gemm_workspace =
@@ -154,9 +157,9 @@ void ForwardPlan<X, G, L>::run(const Arguments& a, void* workspace, cudaStream_t
   gemm_.run(a.weight, a.mixed, a.out, a.bias, a.tokens, 0.0f, gemm_workspace, stream);
 }
 
-template <typename X, typename G, typename L>
-void ForwardPlan<X, G, L>::local_amax(const X* x, std::int64_t tokens, float* stats,
-                                      cudaStream_t stream) const {
+template <typename X, typename G, typename L, typename Act>
+void ForwardPlan<X, G, L, Act>::local_amax(const X* x, std::int64_t tokens, float* stats,
+                                           cudaStream_t stream) const {
   const detail::NvtxRange range("qbl local amax");
   QBL_EXPECTS(gemm_.valid(), qbl::logic_error, "a moved-from ForwardPlan cannot run");
   QBL_EXPECTS(tokens >= 0, qbl::invalid_argument, "tokens must be non-negative");
@@ -170,20 +173,20 @@ void ForwardPlan<X, G, L>::local_amax(const X* x, std::int64_t tokens, float* st
               qbl::invalid_argument, "stats must not overlap x");
   QBL_EXPECTS(detail::current_device() == device_, qbl::invalid_argument,
               "a plan runs on the device it was made on");
-  QBL_CUDA_TRY(
-      detail::launch_amax(x, tokens * in_features(), stats, sizeof(float), limits_.sms, stream));
+  QBL_CUDA_TRY(detail::launch_amax<Act>(x, tokens * in_features(), stats, sizeof(float),
+                                        limits_.sms, stream));
 }
 
 // ---- BackwardPlan -------------------------------------------------------------------------------
 
-template <typename X, typename G, typename L>
-struct BackwardPlan<X, G, L>::Layout {
-  std::size_t dgrad_ws = 0, wgrad_ws = 0, partials = 0, g_mixed = 0, total = 0;
+template <typename X, typename G, typename L, typename Act>
+struct BackwardPlan<X, G, L, Act>::Layout {
+  std::size_t dgrad_ws = 0, wgrad_ws = 0, partials = 0, g_mixed = 0, mixed = 0, total = 0;
 };
 
-template <typename X, typename G, typename L>
-BackwardPlan<X, G, L>::BackwardPlan(std::int64_t in_features, std::int64_t out_features,
-                                    std::int64_t max_tokens, const Options& options)
+template <typename X, typename G, typename L, typename Act>
+BackwardPlan<X, G, L, Act>::BackwardPlan(std::int64_t in_features, std::int64_t out_features,
+                                         std::int64_t max_tokens, const Options& options)
     : dgrad_((detail::plan_device(in_features, out_features, max_tokens, sizeof(X)),
               GemmSpec::linear_dgrad(in_features, out_features)),
              max_tokens, options),
@@ -194,47 +197,59 @@ BackwardPlan<X, G, L>::BackwardPlan(std::int64_t in_features, std::int64_t out_f
   QBL_CUDA_TRY(detail::sm_count(&sms_));
 }
 
-template <typename X, typename G, typename L>
-typename BackwardPlan<X, G, L>::Layout BackwardPlan<X, G, L>::layout_for(
+template <typename X, typename G, typename L, typename Act>
+typename BackwardPlan<X, G, L, Act>::Layout BackwardPlan<X, G, L, Act>::layout_for(
     std::int64_t in, std::int64_t out, std::int64_t tokens, std::size_t cublas_workspace_bytes,
-    bool two_gemm_workspaces) noexcept {
+    bool two_gemm_workspaces, bool recompute) noexcept {
   Layout l;
   const std::size_t ws = detail::align_up(cublas_workspace_bytes);
+  const std::size_t rows =
+      detail::align_up(detail::span_bytes(std::max<std::int64_t>(tokens, 0), in, sizeof(G)));
   l.dgrad_ws = 0;
-  l.wgrad_ws = two_gemm_workspaces ? ws : 0;  // one workspace when the GEMMs never overlap
+  // One GEMM workspace when the GEMMs never overlap (a recomputed mixed orders wgrad after the
+  // element kernel, so they do not overlap then either).
+  l.wgrad_ws = two_gemm_workspaces && !recompute ? ws : 0;
   l.partials = l.wgrad_ws + ws;
   l.g_mixed = l.partials + detail::align_up(bias_grad_workspace_bytes(out));
-  l.total = l.g_mixed +
-            detail::align_up(detail::span_bytes(std::max<std::int64_t>(tokens, 0), in, sizeof(G)));
+  l.mixed = l.g_mixed + rows;
+  l.total = l.mixed + (recompute ? rows : 0);
   return l;
 }
 
-template <typename X, typename G, typename L>
-typename BackwardPlan<X, G, L>::Layout BackwardPlan<X, G, L>::layout(
-    std::int64_t tokens) const noexcept {
+template <typename X, typename G, typename L, typename Act>
+typename BackwardPlan<X, G, L, Act>::Layout BackwardPlan<X, G, L, Act>::layout(
+    std::int64_t tokens, bool recompute) const noexcept {
   return layout_for(in_features(), out_features(), tokens, dgrad_.workspace_bytes(),
-                    overlap_tokens_ > 0);
+                    overlap_tokens_ > 0, recompute);
 }
 
-template <typename X, typename G, typename L>
-std::size_t BackwardPlan<X, G, L>::workspace_bytes(std::int64_t tokens) const noexcept {
-  return layout(std::min(tokens, max_tokens())).total;
+template <typename X, typename G, typename L, typename Act>
+std::size_t BackwardPlan<X, G, L, Act>::workspace_bytes(std::int64_t tokens) const noexcept {
+  const std::int64_t t = std::min(tokens, max_tokens());
+  return std::max(layout(t, false).total, layout(t, true).total);
 }
 
-template <typename X, typename G, typename L>
-std::size_t BackwardPlan<X, G, L>::workspace_bytes_for(std::int64_t in_features,
-                                                       std::int64_t out_features,
-                                                       std::int64_t max_tokens, std::int64_t tokens,
-                                                       const Options& options) noexcept {
+template <typename X, typename G, typename L, typename Act>
+std::size_t BackwardPlan<X, G, L, Act>::workspace_bytes(const Arguments& args) const noexcept {
+  return layout(std::min(args.tokens, max_tokens()), recomputes(args)).total;
+}
+
+template <typename X, typename G, typename L, typename Act>
+std::size_t BackwardPlan<X, G, L, Act>::workspace_bytes_for(std::int64_t in_features,
+                                                            std::int64_t out_features,
+                                                            std::int64_t max_tokens,
+                                                            std::int64_t tokens,
+                                                            const Options& options) noexcept {
   const bool two =
       detail::overlap_tokens(options.overlap_wgrad, in_features, out_features, max_tokens) > 0;
-  return layout_for(in_features, out_features, std::min(tokens, max_tokens),
-                    options.cublas_workspace_bytes, two)
-      .total;
+  const std::int64_t t = std::min(tokens, max_tokens);
+  return std::max(
+      layout_for(in_features, out_features, t, options.cublas_workspace_bytes, two, false).total,
+      layout_for(in_features, out_features, t, options.cublas_workspace_bytes, two, true).total);
 }
 
-template <typename X, typename G, typename L>
-detail::Check BackwardPlan<X, G, L>::check(const Arguments& a) const noexcept {
+template <typename X, typename G, typename L, typename Act>
+detail::Check BackwardPlan<X, G, L, Act>::check(const Arguments& a) const noexcept {
   QBL_CHECK(dgrad_.valid() && wgrad_.valid(), logic_error, "a moved-from BackwardPlan cannot run");
   QBL_CHECK(a.tokens >= 0, invalid_argument, "tokens must be non-negative");
   QBL_CHECK(a.tokens <= max_tokens(), out_of_range, "tokens exceeds max_tokens");
@@ -242,20 +257,25 @@ detail::Check BackwardPlan<X, G, L>::check(const Arguments& a) const noexcept {
   const bool want_weight = a.grad_weight != nullptr, want_bias = a.grad_bias != nullptr;
   const bool dgrad = want_x || want_logits;
   if (a.tokens == 0 || !(dgrad || want_weight || want_bias)) return {};
-  // What each wanted output needs, and nothing else.
+  // What each wanted output needs, and nothing else. A null mixed with grad_weight wanted is
+  // recomputed from x, logits and stats.
+  const bool recompute = recomputes(a);
+  const bool need_x = needs_x(a);
+  const bool need_gate = dgrad || recompute;  // logits and stats
   QBL_CHECK(a.grad_out != nullptr, invalid_argument, "grad_out must not be null");
-  QBL_CHECK(!dgrad || (a.weight != nullptr && a.logits != nullptr && a.stats != nullptr),
-            invalid_argument, "grad_x and grad_logits need weight, logits and stats");
-  QBL_CHECK(!want_logits || a.x != nullptr, invalid_argument, "grad_logits needs x");
-  QBL_CHECK(!want_weight || a.mixed != nullptr, invalid_argument, "grad_weight needs mixed");
+  QBL_CHECK(!dgrad || a.weight != nullptr, invalid_argument, "grad_x and grad_logits need weight");
+  QBL_CHECK(!need_gate || (a.logits != nullptr && a.stats != nullptr), invalid_argument,
+            "grad_x, grad_logits and a recomputed mixed need logits and stats");
+  QBL_CHECK(!need_x || a.x != nullptr, invalid_argument,
+            "grad_logits, a recomputed mixed and an activation's grad_x need x");
   const std::int64_t t = a.tokens, in = in_features(), out = out_features();
   const detail::Span inputs[] = {
       {a.grad_out, detail::span_bytes(t, out, sizeof(G))},
-      {want_logits ? a.x : nullptr, detail::span_bytes(t, in, sizeof(X))},
-      {dgrad ? a.logits : nullptr, detail::span_bytes(t, 1, sizeof(L))},
+      {need_x ? a.x : nullptr, detail::span_bytes(t, in, sizeof(X))},
+      {need_gate ? a.logits : nullptr, detail::span_bytes(t, 1, sizeof(L))},
       {dgrad ? a.weight : nullptr, detail::span_bytes(out, in, sizeof(G))},
       {want_weight ? a.mixed : nullptr, detail::span_bytes(t, in, sizeof(G))},
-      {dgrad ? a.stats : nullptr, stats_floats * sizeof(float)}};
+      {need_gate ? a.stats : nullptr, stats_floats * sizeof(float)}};
   const detail::Span outputs[] = {{a.grad_x, detail::span_bytes(t, in, sizeof(X))},
                                   {a.grad_logits, detail::span_bytes(t, 1, sizeof(L))},
                                   {a.grad_weight, detail::span_bytes(out, in, sizeof(G))},
@@ -281,14 +301,14 @@ detail::Check BackwardPlan<X, G, L>::check(const Arguments& a) const noexcept {
   return {};
 }
 
-template <typename X, typename G, typename L>
-bool BackwardPlan<X, G, L>::supports(const Arguments& args) const noexcept {
+template <typename X, typename G, typename L, typename Act>
+bool BackwardPlan<X, G, L, Act>::supports(const Arguments& args) const noexcept {
   return check(args).ok();
 }
 
-template <typename X, typename G, typename L>
-void BackwardPlan<X, G, L>::run(const Arguments& a, void* workspace, SideStream* side,
-                                cudaStream_t stream) const {
+template <typename X, typename G, typename L, typename Act>
+void BackwardPlan<X, G, L, Act>::run(const Arguments& a, void* workspace, SideStream* side,
+                                     cudaStream_t stream) const {
   const detail::NvtxRange range("qbl backward");
   detail::raise(check(a));
   const bool want_x = a.grad_x != nullptr, want_logits = a.grad_logits != nullptr;
@@ -299,12 +319,15 @@ void BackwardPlan<X, G, L>::run(const Arguments& a, void* workspace, SideStream*
               "the workspace must be a 256-byte aligned buffer of workspace_bytes(tokens)");
   QBL_EXPECTS(side == nullptr || (side->valid() && side->device() == device_),
               qbl::invalid_argument, "the side stream must be a valid one of the plan's device");
-  const Layout l = layout(a.tokens);
+  const bool recompute = recomputes(a);
+  const Layout l = layout(a.tokens, recompute);
   auto* ws = static_cast<char*>(workspace);
   const std::int64_t in = in_features(), out = out_features();
 
-  // wgrad (and the bias gradient) beside dgrad when both run: on the side stream, forked here.
-  const bool fork = side != nullptr && dgrad && (want_weight || want_bias) && overlaps(a.tokens);
+  // wgrad (and the bias gradient) beside dgrad when both run: on the side stream, forked here. A
+  // recomputed mixed comes from the element kernel, after dgrad: then everything runs in order.
+  const bool fork =
+      side != nullptr && dgrad && (want_weight || want_bias) && overlaps(a.tokens) && !recompute;
   cudaStream_t wstream = stream;
   if (fork) {
     QBL_CUDA_TRY(side->fork(stream));
@@ -324,31 +347,38 @@ void BackwardPlan<X, G, L>::run(const Arguments& a, void* workspace, SideStream*
     ~Join() { join(); }
   } join{fork ? side : nullptr, stream};
 
-  if (want_weight || want_bias) {
+  G* const recomputed = recompute ? reinterpret_cast<G*>(ws + l.mixed) : nullptr;
+  const G* const mixed = recompute ? recomputed : a.mixed;
+  auto weight_and_bias = [&](cudaStream_t s, void* gemm_workspace) {
     const detail::NvtxRange wgrad_range("qbl wgrad + bias_grad");
-    void* wws = ws + (fork ? l.wgrad_ws : l.dgrad_ws);
     if (want_weight) {
-      wgrad_.run(a.mixed, a.grad_out, a.grad_weight, nullptr, a.tokens, a.accumulate ? 1.0f : 0.0f,
-                 wws, wstream);
+      wgrad_.run(mixed, a.grad_out, a.grad_weight, nullptr, a.tokens, a.accumulate ? 1.0f : 0.0f,
+                 gemm_workspace, s);
     }
     if (want_bias) {
       QBL_CUDA_TRY(detail::launch_bias_grad(a.grad_out, a.grad_bias, a.tokens, out, a.accumulate,
-                                            ws + l.partials, sms_, wstream));
+                                            ws + l.partials, sms_, s));
     }
-  }
-  if (dgrad) {
+  };
+  if (!recompute && (want_weight || want_bias))
+    weight_and_bias(wstream, ws + (fork ? l.wgrad_ws : l.dgrad_ws));
+  if (dgrad || recompute) {
     const detail::NvtxRange dgrad_range("qbl dgrad + quant_blend_backward");
     // dgrad: g_mixed = grad_out · weight, formed where grad_x goes when the two are one type (the
     // element kernel then works in place), else in the workspace.
-    G* g_mixed = reinterpret_cast<G*>(ws + l.g_mixed);
-    if constexpr (std::is_same_v<G, X>) {
-      if (want_x) g_mixed = a.grad_x;
+    G* g_mixed = nullptr;
+    if (dgrad) {
+      g_mixed = reinterpret_cast<G*>(ws + l.g_mixed);
+      if constexpr (std::is_same_v<G, X>) {
+        if (want_x) g_mixed = a.grad_x;
+      }
+      dgrad_.run(a.weight, a.grad_out, g_mixed, nullptr, a.tokens, 0.0f, ws + l.dgrad_ws, stream);
     }
-    dgrad_.run(a.weight, a.grad_out, g_mixed, nullptr, a.tokens, 0.0f, ws + l.dgrad_ws, stream);
-    QBL_CUDA_TRY(detail::launch_quant_blend_backward(g_mixed, a.x, a.logits, a.stats + 1, a.grad_x,
-                                                     a.grad_logits, a.tokens, in, a.quant_grad,
-                                                     stream));
+    QBL_CUDA_TRY((detail::launch_quant_blend_backward<X, G, L, Act>(
+        g_mixed, a.x, a.logits, a.stats + 1, a.grad_x, a.grad_logits, recomputed, a.tokens, in,
+        a.quant_grad, stream)));
   }
+  if (recompute) weight_and_bias(stream, ws + l.dgrad_ws);
   QBL_CUDA_TRY(join.join());
 }
 

@@ -119,7 +119,8 @@ __device__ __forceinline__ void blend_tile(const Math& math, const V (&in)[U], W
 /// that, and before `get_scale()` is first asked for the scale (by every thread of the block at
 /// once), so a kernel launched as a programmatic dependent of the amax kernel has its reads in
 /// flight while that kernel drains.
-template <typename X, typename G, typename L, int N, int THREADS, int U, typename GetScale>
+template <typename X, typename G, typename L, typename Act, int N, int THREADS, int U,
+          typename GetScale>
 __device__ __forceinline__ void quant_blend_tiles(
     const X* __restrict__ x, const L* __restrict__ logits, GetScale get_scale,
     G* __restrict__ mixed, std::int64_t tokens, std::int64_t features, FastDiv cols_div,
@@ -143,8 +144,10 @@ __device__ __forceinline__ void quant_blend_tiles(
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const std::int64_t g = base + threadIdx.x + u * THREADS;
-      if (g < total) in[u] = xv[g];
+      if (g < total) in[u] = xv[g];  // the activation's input; act(x) comes after the loads
     }
+#pragma unroll
+    for (int u = 0; u < U; ++u) in[u] = activate_vec<Act>(in[u]);
     const TileRows::Span span{row, offset, rows_of.rows_from(offset, total - base)};
     fill_gates<Math>(logits, span, table, THREADS);
     __syncthreads();
@@ -218,7 +221,8 @@ struct ScaleFrom {
   }
 };
 
-template <typename X, typename G, typename L, int BLOCK_THREADS, int N, typename Source>
+template <typename X, typename G, typename L, typename Act, int BLOCK_THREADS, int N,
+          typename Source>
 QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     quant_blend_kernel(const X* __restrict__ x, const L* __restrict__ logits, Source source,
                        G* __restrict__ mixed, std::int64_t tokens, std::int64_t features,
@@ -227,12 +231,12 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   __shared__ GateTable<QuantBlendMath<X, G, L, N>, BLOCK_THREADS, vectors_in_flight> table;
   __shared__ typename Scale::Shared scale_shared;
   auto get_scale = [&] { return Scale::get(source, scale_shared); };
-  quant_blend_tiles<X, G, L, N, BLOCK_THREADS, vectors_in_flight>(
+  quant_blend_tiles<X, G, L, Act, N, BLOCK_THREADS, vectors_in_flight>(
       x, logits, get_scale, mixed, tokens, features, cols_div, table, blockIdx.x, gridDim.x);
 }
 
 /// Both stages in one block: the amax never leaves shared memory before the blend reads it.
-template <typename X, typename G, typename L, int BLOCK_THREADS, int N>
+template <typename X, typename G, typename L, typename Act, int BLOCK_THREADS, int N>
 QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     amax_quant_blend_single_block_kernel(const X* __restrict__ x, const L* __restrict__ logits,
                                          G* __restrict__ mixed, std::int64_t tokens,
@@ -244,7 +248,7 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   __shared__ float shared_scale;
   __shared__ GateTable<QuantBlendMath<X, G, L, N>, BLOCK_THREADS, single_block_vectors> table;
   const std::uint32_t m = BlockAmax(temp).reduce_bits(
-      thread_abs_max_bits<X, N>(x, tokens * features, head, threadIdx.x, BLOCK_THREADS));
+      thread_abs_max_bits<X, N, Act>(x, tokens * features, head, threadIdx.x, BLOCK_THREADS));
   if (threadIdx.x == 0) {
     const float a = from_abs_bits(m);
     const float s = scale_from_amax<X>(a);
@@ -254,7 +258,7 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   }
   __syncthreads();
   const float scale = shared_scale;
-  quant_blend_tiles<X, G, L, N, BLOCK_THREADS, single_block_vectors>(
+  quant_blend_tiles<X, G, L, Act, N, BLOCK_THREADS, single_block_vectors>(
       x, logits, [scale] { return scale; }, mixed, tokens, features, cols_div, table, 0, 1);
 }
 
@@ -294,9 +298,10 @@ struct LaunchLimits {
   bool programmatic[2] = {};
 };
 
-template <typename X, typename G, typename L, int N>
+template <typename X, typename G, typename L, typename Act, int N>
 cudaError_t quant_blend_kernel_limits(int* resident, bool* programmatic) {
-  constexpr auto kernel = quant_blend_kernel<X, G, L, quant_blend_block_threads, N, PartialAmax>;
+  constexpr auto kernel =
+      quant_blend_kernel<X, G, L, Act, quant_blend_block_threads, N, PartialAmax>;
   *resident = 0;
   QBL_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       resident, kernel, quant_blend_block_threads, 0));
@@ -308,18 +313,18 @@ cudaError_t quant_blend_kernel_limits(int* resident, bool* programmatic) {
 }
 
 /// The current device's limits for these element types (no synchronization, no allocation).
-template <typename X, typename G, typename L>
+template <typename X, typename G, typename L, typename Act = Identity>
 cudaError_t launch_limits(LaunchLimits* limits) {
   QBL_CUDA_RETURN_IF_ERROR(sm_count(&limits->sms));
   QBL_CUDA_RETURN_IF_ERROR(
-      (quant_blend_kernel_limits<X, G, L, 1>(&limits->resident[0], &limits->programmatic[0])));
-  return quant_blend_kernel_limits<X, G, L, vec16<X>>(&limits->resident[1],
-                                                      &limits->programmatic[1]);
+      (quant_blend_kernel_limits<X, G, L, Act, 1>(&limits->resident[0], &limits->programmatic[0])));
+  return quant_blend_kernel_limits<X, G, L, Act, vec16<X>>(&limits->resident[1],
+                                                           &limits->programmatic[1]);
 }
 
 /// One quant_blend_kernel launch with vectors of N elements: at most one wave of resident blocks,
 /// each looping over tiles.
-template <typename X, typename G, typename L, int N, typename Source>
+template <typename X, typename G, typename L, typename Act, int N, typename Source>
 cudaError_t launch_quant_blend_kernel(const X* x, const L* logits, const Source& source, G* mixed,
                                       std::int64_t tokens, std::int64_t features,
                                       const LaunchLimits& limits, cudaStream_t stream) {
@@ -346,19 +351,19 @@ cudaError_t launch_quant_blend_kernel(const X* x, const L* logits, const Source&
   config.attrs = attr;
   config.numAttrs = dependent ? 1 : 0;
   QBL_CUDA_RETURN_IF_ERROR(
-      cudaLaunchKernelEx(&config, quant_blend_kernel<X, G, L, threads, N, Source>, x, logits,
+      cudaLaunchKernelEx(&config, quant_blend_kernel<X, G, L, Act, threads, N, Source>, x, logits,
                          source, mixed, tokens, features, cols_divider(cols, tile)));
   return cudaGetLastError();
 }
 
 /// The single-block kernel (amax and blend in one block) with vectors of N elements.
-template <typename X, typename G, typename L, int N>
+template <typename X, typename G, typename L, typename Act, int N>
 cudaError_t launch_single_block_kernel(const X* x, const L* logits, G* mixed, std::int64_t tokens,
                                        std::int64_t features, float* amax, float* scale,
                                        cudaStream_t stream) {
   constexpr int threads = single_block_threads;
   const std::int64_t head = N == 1 ? 0 : aligned_head(x, tokens * features);
-  amax_quant_blend_single_block_kernel<X, G, L, threads, N><<<1, threads, 0, stream>>>(
+  amax_quant_blend_single_block_kernel<X, G, L, Act, threads, N><<<1, threads, 0, stream>>>(
       x, logits, mixed, tokens, features, head,
       cols_divider(features / N, std::int64_t{threads} * single_block_vectors), amax, scale);
   return cudaGetLastError();
@@ -367,25 +372,25 @@ cudaError_t launch_single_block_kernel(const X* x, const L* logits, G* mixed, st
 /// mixed from an amax source (GivenAmax: the free function qbl::quant_blend and a forward from
 /// given stats; PartialAmax: the prologue's second kernel), 16-byte vectors where the buffers
 /// allow them.
-template <typename X, typename G, typename L, typename Source>
+template <typename X, typename G, typename L, typename Act, typename Source>
 cudaError_t launch_quant_blend(const X* d_x, const L* d_logits, const Source& source, G* d_mixed,
                                std::int64_t tokens, std::int64_t features,
                                const LaunchLimits& limits, cudaStream_t stream) {
   QBL_CUDA_RETURN_IF_ERROR(check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
   if (tokens == 0) return cudaSuccess;
   if (rows_vectorizable(d_x, d_mixed, features)) {
-    return launch_quant_blend_kernel<X, G, L, vec16<X>>(d_x, d_logits, source, d_mixed, tokens,
-                                                        features, limits, stream);
+    return launch_quant_blend_kernel<X, G, L, Act, vec16<X>>(d_x, d_logits, source, d_mixed, tokens,
+                                                             features, limits, stream);
   }
-  return launch_quant_blend_kernel<X, G, L, 1>(d_x, d_logits, source, d_mixed, tokens, features,
-                                               limits, stream);
+  return launch_quant_blend_kernel<X, G, L, Act, 1>(d_x, d_logits, source, d_mixed, tokens,
+                                                    features, limits, stream);
 }
 
 /// Both stages (qbl::amax_quant_blend, the layer's prologue): one single-block launch for small
 /// inputs, else the partial-maxima amax kernel and the quant-blend kernel as its programmatic
 /// dependent, the partials in d_workspace (amax_quant_blend_workspace_bytes). No memset, no
 /// atomics: nothing in the workspace needs initializing, and nothing is left to reset.
-template <typename X, typename G, typename L>
+template <typename X, typename G, typename L, typename Act>
 cudaError_t launch_amax_quant_blend(const X* d_x, const L* d_logits, G* d_mixed,
                                     std::int64_t tokens, std::int64_t features, float* d_amax,
                                     float* d_scale, void* d_workspace, const LaunchLimits& limits,
@@ -395,26 +400,27 @@ cudaError_t launch_amax_quant_blend(const X* d_x, const L* d_logits, G* d_mixed,
   if (tokens == 0) return cudaSuccess;
   const bool vec = rows_vectorizable(d_x, d_mixed, features);
   if (tokens * features <= amax_quant_blend_single_block_elements) {
-    return vec ? launch_single_block_kernel<X, G, L, vec16<X>>(d_x, d_logits, d_mixed, tokens,
-                                                               features, d_amax, d_scale, stream)
-               : launch_single_block_kernel<X, G, L, 1>(d_x, d_logits, d_mixed, tokens, features,
-                                                        d_amax, d_scale, stream);
+    return vec ? launch_single_block_kernel<X, G, L, Act, vec16<X>>(
+                     d_x, d_logits, d_mixed, tokens, features, d_amax, d_scale, stream)
+               : launch_single_block_kernel<X, G, L, Act, 1>(d_x, d_logits, d_mixed, tokens,
+                                                             features, d_amax, d_scale, stream);
   }
   if (d_workspace == nullptr || !is_aligned(d_workspace, alignof(std::uint32_t)))
     return cudaErrorInvalidValue;
   auto* partials = static_cast<std::uint32_t*>(d_workspace);
   int count = 0;
   QBL_CUDA_RETURN_IF_ERROR(
-      launch_amax_partials(d_x, tokens * features, partials, &count, limits.sms, stream));
-  return launch_quant_blend(d_x, d_logits, PartialAmax{partials, count, d_amax, d_scale}, d_mixed,
-                            tokens, features, limits, stream);
+      launch_amax_partials<Act>(d_x, tokens * features, partials, &count, limits.sms, stream));
+  return launch_quant_blend<X, G, L, Act>(d_x, d_logits,
+                                          PartialAmax{partials, count, d_amax, d_scale}, d_mixed,
+                                          tokens, features, limits, stream);
 }
 
 }  // namespace qbl::detail
 
 namespace qbl {
 
-template <typename X, typename G, typename L>
+template <typename X, typename G, typename L, typename Act>
 cudaError_t quant_blend(const X* d_x, const detail::type_identity_t<L>* d_logits,
                         const float* d_amax, detail::type_identity_t<G>* d_mixed,
                         std::int64_t tokens, std::int64_t features, float* d_scale,
@@ -422,17 +428,18 @@ cudaError_t quant_blend(const X* d_x, const detail::type_identity_t<L>* d_logits
   static_assert(supported_types<X, G, L>,
                 "quant_blend: x, logits and mixed of one type, or fp32 x with bf16/fp16 mixed "
                 "(logits fp32 or of mixed's type)");
+  static_assert(detail::is_activation<Act>, "quant_blend: Act is one of qbl::Activations");
   QBL_CUDA_RETURN_IF_ERROR(
       detail::check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
   if (d_amax == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
   detail::LaunchLimits limits;
-  QBL_CUDA_RETURN_IF_ERROR((detail::launch_limits<X, G, L>(&limits)));
-  return detail::launch_quant_blend(d_x, d_logits, detail::GivenAmax{d_amax, d_scale}, d_mixed,
-                                    tokens, features, limits, stream);
+  QBL_CUDA_RETURN_IF_ERROR((detail::launch_limits<X, G, L, Act>(&limits)));
+  return detail::launch_quant_blend<X, G, L, Act>(d_x, d_logits, detail::GivenAmax{d_amax, d_scale},
+                                                  d_mixed, tokens, features, limits, stream);
 }
 
-template <typename X, typename G, typename L>
+template <typename X, typename G, typename L, typename Act>
 cudaError_t amax_quant_blend(const X* d_x, const detail::type_identity_t<L>* d_logits,
                              detail::type_identity_t<G>* d_mixed, std::int64_t tokens,
                              std::int64_t features, float* d_amax, float* d_scale,
@@ -440,6 +447,7 @@ cudaError_t amax_quant_blend(const X* d_x, const detail::type_identity_t<L>* d_l
   static_assert(supported_types<X, G, L>,
                 "amax_quant_blend: x, logits and mixed of one type, or fp32 x with bf16/fp16 "
                 "mixed (logits fp32 or of mixed's type)");
+  static_assert(detail::is_activation<Act>, "amax_quant_blend: Act is one of qbl::Activations");
   QBL_CUDA_RETURN_IF_ERROR(
       detail::check_quant_blend_args(d_x, d_logits, d_mixed, tokens, features));
   if (d_amax == nullptr || d_scale == nullptr) return cudaErrorInvalidValue;
@@ -448,9 +456,9 @@ cudaError_t amax_quant_blend(const X* d_x, const detail::type_identity_t<L>* d_l
       (d_workspace == nullptr || !detail::is_aligned(d_workspace, alignof(std::uint32_t))))
     return cudaErrorInvalidValue;  // before any CUDA call
   detail::LaunchLimits limits;
-  QBL_CUDA_RETURN_IF_ERROR((detail::launch_limits<X, G, L>(&limits)));
-  return detail::launch_amax_quant_blend(d_x, d_logits, d_mixed, tokens, features, d_amax, d_scale,
-                                         d_workspace, limits, stream);
+  QBL_CUDA_RETURN_IF_ERROR((detail::launch_limits<X, G, L, Act>(&limits)));
+  return detail::launch_amax_quant_blend<X, G, L, Act>(
+      d_x, d_logits, d_mixed, tokens, features, d_amax, d_scale, d_workspace, limits, stream);
 }
 
 }  // namespace qbl

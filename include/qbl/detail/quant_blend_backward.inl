@@ -1,6 +1,7 @@
 // Kernels and launcher bodies for qbl/quant_blend_backward.cuh.
 #pragma once
 
+#include <qbl/activation.cuh>
 #include <qbl/detail/quant_blend_math.cuh>
 #include <qbl/detail/vec.cuh>
 #include <qbl/element_math.cuh>
@@ -145,16 +146,25 @@ struct QuantBlendGradMath<T, T, T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && s
 /// One warp per token row: each lane takes every 32nd vector of the row, U at a time (all their
 /// loads issued before any use), computes grad_x for them and its share of the two sums, and the
 /// warp combines the shares in a fixed butterfly order (each merge an exact two-sum, so both lanes
-/// of a pair get the same bits), so the result is deterministic. grad_x may alias g_mixed where
-/// they are one type (each element is read before the same thread writes it, and a lane's loads
-/// of a group all come before its stores), so neither carries __restrict__.
-template <typename X, typename G, typename L, int N>
+/// of a pair get the same bits), so the result is deterministic.
+///
+/// With an activation Act, x holds the activation's input h: the sums and the recomputed mixed
+/// use act(h) rounded to X (as the forward did), and grad_x becomes the gradient of h,
+/// RN_X(act'(RN_X(grad_x), h)). MIXED: the row's `mixed` is recomputed from act(h), the gate and
+/// the scale with the forward's own arithmetic (QuantBlendMath) and written for the wgrad GEMM, so
+/// a forward need not keep it; g_mixed may then be null (no grad_x, no grad_logits wanted).
+///
+/// grad_x may alias g_mixed where they are one type (each element is read before the same thread
+/// writes it, and a lane's loads of a group all come before its stores), so neither carries
+/// __restrict__.
+template <typename X, typename G, typename L, typename Act, bool MIXED, int N>
 QBL_KERNEL void __launch_bounds__(backward_block_threads)
     quant_blend_backward_kernel(const G* g_mixed, const X* __restrict__ x,
                                 const L* __restrict__ logits, const float* __restrict__ scale_in,
-                                X* grad_x, L* __restrict__ grad_logits, std::int64_t tokens,
-                                std::int64_t features, QuantGrad quant_grad) {
+                                X* grad_x, L* __restrict__ grad_logits, G* __restrict__ mixed,
+                                std::int64_t tokens, std::int64_t features, QuantGrad quant_grad) {
   constexpr int U = backward_vectors_in_flight;
+  constexpr bool identity = std::is_same_v<Act, Identity>;
   const std::int64_t row =
       static_cast<std::int64_t>(blockIdx.x) * backward_rows_per_block + threadIdx.x / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -163,7 +173,11 @@ QBL_KERNEL void __launch_bounds__(backward_block_threads)
   const auto* gv = reinterpret_cast<const Vec<G, N>*>(g_mixed) + row * cols;
   const auto* xv = reinterpret_cast<const Vec<X, N>*>(x) + row * cols;
   auto* out = reinterpret_cast<Vec<X, N>*>(grad_x) + row * cols;
+  auto* mv = reinterpret_cast<Vec<G, N>*>(mixed) + row * cols;
   const bool want_logits = grad_logits != nullptr, want_x = grad_x != nullptr;
+  const bool want_g = want_logits || want_x;
+  // x (h) is read for the sums, for the recomputed mixed and for the activation's backward.
+  const bool read_x = want_logits || MIXED || (want_x && !identity);
   Vec<G, N> g[U];
   Vec<X, N> xs[U];
   auto load = [&](std::int64_t c0) {
@@ -171,15 +185,23 @@ QBL_KERNEL void __launch_bounds__(backward_block_threads)
     for (int u = 0; u < U; ++u) {
       const std::int64_t c = c0 + 32 * u;
       if (c < cols) {
-        g[u] = gv[c];
-        if (want_logits) xs[u] = xv[c];
+        if (want_g) g[u] = gv[c];
+        if (read_x) xs[u] = xv[c];
       }
     }
   };
   // The first group's loads go out before the gate's exp and the scale's reciprocal.
   load(lane);
+  const float scale = *scale_in;
   const float alpha = sigmoid<L>(to_float(logits[row]));
-  const QuantBlendGradMath<X, G, L, N> math(*scale_in, alpha, one_minus<L>(alpha), quant_grad);
+  const QuantBlendGradMath<X, G, L, N> math(scale, alpha, one_minus<L>(alpha), quant_grad);
+  using Forward = QuantBlendMath<X, G, L, N>;
+  Forward forward;
+  typename Forward::Gate gate{};
+  if constexpr (MIXED) {
+    forward.set_scale(scale);
+    gate = Forward::gate(logits[row]);
+  }
   CompensatedSum sum_q, sum_x;
   for (std::int64_t c0 = lane; c0 < cols; c0 += 32 * U) {
     if (c0 != lane) load(c0);
@@ -187,8 +209,10 @@ QBL_KERNEL void __launch_bounds__(backward_block_threads)
     for (int u = 0; u < U; ++u) {
       const std::int64_t c = c0 + 32 * u;
       if (c >= cols) break;
-      if (want_logits) math.sums(g[u], xs[u], sum_q, sum_x);
-      if (want_x) out[c] = math.grad_x(g[u]);
+      const Vec<X, N> xa = activate_vec<Act>(xs[u]);  // what the forward quantized
+      if (want_logits) math.sums(g[u], xa, sum_q, sum_x);
+      if (want_x) out[c] = activate_backward_vec<Act>(math.grad_x(g[u]), xs[u]);
+      if constexpr (MIXED) mv[c] = forward.apply(xa, gate);
     }
   }
   if (!want_logits) return;
@@ -206,46 +230,69 @@ QBL_KERNEL void __launch_bounds__(backward_block_threads)
         grad_logit_value<L>(grad_alpha_value<X, L>(sum_q.value(), sum_x.value()), alpha));
 }
 
-template <typename X, typename G, typename L, int N>
+template <typename X, typename G, typename L, typename Act, bool MIXED, int N>
 cudaError_t launch_quant_blend_backward_kernel(const G* g_mixed, const X* x, const L* logits,
                                                const float* scale, X* grad_x, L* grad_logits,
-                                               std::int64_t tokens, std::int64_t features,
+                                               G* mixed, std::int64_t tokens, std::int64_t features,
                                                QuantGrad quant_grad, cudaStream_t stream) {
   const std::int64_t blocks = ceil_div<std::int64_t>(tokens, backward_rows_per_block);
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  quant_blend_backward_kernel<X, G, L, N>
+  quant_blend_backward_kernel<X, G, L, Act, MIXED, N>
       <<<static_cast<unsigned>(blocks), backward_block_threads, 0, stream>>>(
-          g_mixed, x, logits, scale, grad_x, grad_logits, tokens, features, quant_grad);
+          g_mixed, x, logits, scale, grad_x, grad_logits, mixed, tokens, features, quant_grad);
   return cudaGetLastError();
 }
 
-/// qbl::quant_blend_backward's body (the backward plan calls it directly): checks, then the
-/// kernel with 16-byte vectors where every buffer allows them.
-template <typename X, typename G, typename L>
+template <typename X, typename G, typename L, typename Act, bool MIXED>
+cudaError_t launch_quant_blend_backward_width(const G* g_mixed, const X* x, const L* logits,
+                                              const float* scale, X* grad_x, L* grad_logits,
+                                              G* mixed, std::int64_t tokens, std::int64_t features,
+                                              QuantGrad quant_grad, cudaStream_t stream) {
+  constexpr int N = vec16<X>;
+  const bool want_g = grad_x != nullptr || grad_logits != nullptr;
+  const bool read_x =
+      grad_logits != nullptr || MIXED || (grad_x != nullptr && !std::is_same_v<Act, Identity>);
+  const bool vec = features % N == 0 && (!want_g || is_aligned(g_mixed, N * sizeof(G))) &&
+                   (!read_x || is_aligned(x, 16)) &&
+                   (grad_x == nullptr || is_aligned(grad_x, 16)) &&
+                   (!MIXED || is_aligned(mixed, N * sizeof(G)));
+  return vec ? launch_quant_blend_backward_kernel<X, G, L, Act, MIXED, N>(
+                   g_mixed, x, logits, scale, grad_x, grad_logits, mixed, tokens, features,
+                   quant_grad, stream)
+             : launch_quant_blend_backward_kernel<X, G, L, Act, MIXED, 1>(
+                   g_mixed, x, logits, scale, grad_x, grad_logits, mixed, tokens, features,
+                   quant_grad, stream);
+}
+
+/// The quant-blend stage's backward (qbl::quant_blend_backward's body; the backward plan calls it
+/// directly): grad_x (of the activation's input, with an activation) and grad_logits from
+/// g_mixed, and -- where `mixed` is not null -- the forward's mixed recomputed for the wgrad GEMM.
+/// Checks, then one kernel with 16-byte vectors where every buffer allows them.
+template <typename X, typename G, typename L, typename Act = Identity>
 cudaError_t launch_quant_blend_backward(const G* d_g_mixed, const X* d_x, const L* d_logits,
                                         const float* d_scale, X* d_grad_x, L* d_grad_logits,
-                                        std::int64_t tokens, std::int64_t features,
+                                        G* d_mixed, std::int64_t tokens, std::int64_t features,
                                         QuantGrad quant_grad, cudaStream_t stream) {
   if (tokens < 0 || features <= 0) return cudaErrorInvalidValue;
-  if (tokens == 0 || (d_grad_x == nullptr && d_grad_logits == nullptr)) return cudaSuccess;
-  if (d_g_mixed == nullptr || d_logits == nullptr || d_scale == nullptr ||
-      (d_grad_logits != nullptr && d_x == nullptr))
+  const bool want_g = d_grad_x != nullptr || d_grad_logits != nullptr;
+  if (tokens == 0 || (!want_g && d_mixed == nullptr)) return cudaSuccess;
+  const bool read_x = d_grad_logits != nullptr || d_mixed != nullptr ||
+                      (d_grad_x != nullptr && !std::is_same_v<Act, Identity>);
+  if ((want_g && d_g_mixed == nullptr) || d_logits == nullptr || d_scale == nullptr ||
+      (read_x && d_x == nullptr))
     return cudaErrorInvalidValue;
-  constexpr int N = vec16<X>;
-  const bool vec = features % N == 0 && is_aligned(d_g_mixed, N * sizeof(G)) &&
-                   (d_grad_logits == nullptr || is_aligned(d_x, 16)) &&
-                   (d_grad_x == nullptr || is_aligned(d_grad_x, 16));
   // In place only where the two are one type: grad_x over g_mixed itself.
   if constexpr (!std::is_same_v<G, X>) {
-    if (static_cast<const void*>(d_grad_x) == static_cast<const void*>(d_g_mixed))
+    if (d_grad_x != nullptr &&
+        static_cast<const void*>(d_grad_x) == static_cast<const void*>(d_g_mixed))
       return cudaErrorInvalidValue;
   }
-  return vec ? launch_quant_blend_backward_kernel<X, G, L, N>(d_g_mixed, d_x, d_logits, d_scale,
-                                                              d_grad_x, d_grad_logits, tokens,
-                                                              features, quant_grad, stream)
-             : launch_quant_blend_backward_kernel<X, G, L, 1>(d_g_mixed, d_x, d_logits, d_scale,
-                                                              d_grad_x, d_grad_logits, tokens,
-                                                              features, quant_grad, stream);
+  return d_mixed != nullptr ? launch_quant_blend_backward_width<X, G, L, Act, true>(
+                                  d_g_mixed, d_x, d_logits, d_scale, d_grad_x, d_grad_logits,
+                                  d_mixed, tokens, features, quant_grad, stream)
+                            : launch_quant_blend_backward_width<X, G, L, Act, false>(
+                                  d_g_mixed, d_x, d_logits, d_scale, d_grad_x, d_grad_logits,
+                                  nullptr, tokens, features, quant_grad, stream);
 }
 
 // ---- the bias gradient: column sums ----------------------------------------------------------
@@ -392,7 +439,7 @@ cudaError_t launch_bias_grad(const T* d_grad_out, T* d_grad_bias, std::int64_t t
 
 namespace qbl {
 
-template <typename X, typename G, typename L>
+template <typename X, typename G, typename L, typename Act>
 cudaError_t quant_blend_backward(const detail::type_identity_t<G>* d_g_mixed, const X* d_x,
                                  const detail::type_identity_t<L>* d_logits, const float* d_scale,
                                  detail::type_identity_t<X>* d_grad_x,
@@ -401,8 +448,10 @@ cudaError_t quant_blend_backward(const detail::type_identity_t<G>* d_g_mixed, co
   static_assert(supported_types<X, G, L>,
                 "quant_blend_backward: one element type, or fp32 x with a bf16/fp16 g_mixed "
                 "(logits fp32 or of g_mixed's type)");
-  return detail::launch_quant_blend_backward(d_g_mixed, d_x, d_logits, d_scale, d_grad_x,
-                                             d_grad_logits, tokens, features, quant_grad, stream);
+  static_assert(detail::is_activation<Act>, "quant_blend_backward: Act is one of qbl::Activations");
+  return detail::launch_quant_blend_backward<X, G, L, Act>(
+      d_g_mixed, d_x, d_logits, d_scale, d_grad_x, d_grad_logits, static_cast<G*>(nullptr), tokens,
+      features, quant_grad, stream);
 }
 
 template <typename T>

@@ -9,25 +9,26 @@
 
 namespace qbl {
 
-template <typename X, typename G, typename L>
-std::size_t QuantBlendLinear<X, G, L>::workspace_bytes(std::int64_t in_features,
-                                                       std::int64_t out_features,
-                                                       std::int64_t max_tokens,
-                                                       const Options& options) {
+template <typename X, typename G, typename L, typename Act>
+std::size_t QuantBlendLinear<X, G, L, Act>::workspace_bytes(std::int64_t in_features,
+                                                            std::int64_t out_features,
+                                                            std::int64_t max_tokens,
+                                                            const Options& options) {
   const std::size_t mixed = detail::checked_bytes(max_tokens, in_features, sizeof(G));
-  std::size_t ws = ForwardPlan<X, G, L>::workspace_bytes_for(options.cublas_workspace_bytes);
+  std::size_t ws = ForwardPlan<X, G, L, Act>::workspace_bytes_for(options.cublas_workspace_bytes);
   if (options.backward) {
-    ws = std::max(ws, BackwardPlan<X, G, L>::workspace_bytes_for(in_features, out_features,
-                                                                 max_tokens, max_tokens, options));
+    ws = std::max(ws, BackwardPlan<X, G, L, Act>::workspace_bytes_for(
+                          in_features, out_features, max_tokens, max_tokens, options));
   }
   return stats_floats * sizeof(float) + mixed + ws;
 }
 
-template <typename X, typename G, typename L>
-QuantBlendLinear<X, G, L>::QuantBlendLinear(std::int64_t in_features, std::int64_t out_features,
-                                            std::int64_t max_tokens, Options options)
+template <typename X, typename G, typename L, typename Act>
+QuantBlendLinear<X, G, L, Act>::QuantBlendLinear(std::int64_t in_features,
+                                                 std::int64_t out_features, std::int64_t max_tokens,
+                                                 Options options)
     : forward_(in_features, out_features, max_tokens, options),
-      backward_(options.backward ? std::make_unique<BackwardPlan<X, G, L>>(
+      backward_(options.backward ? std::make_unique<BackwardPlan<X, G, L, Act>>(
                                        in_features, out_features, max_tokens, options)
                                  : nullptr),
       side_(backward_ && backward_->overlaps(1) ? std::make_unique<SideStream>() : nullptr),
@@ -53,36 +54,35 @@ QuantBlendLinear<X, G, L>::QuantBlendLinear(std::int64_t in_features, std::int64
   sync_on_throw.armed = false;
 }
 
-template <typename X, typename G, typename L>
+template <typename X, typename G, typename L, typename Act>
 template <typename Args>
-Args QuantBlendLinear<X, G, L>::own_buffers(Args args, bool stats_optional) const {
+Args QuantBlendLinear<X, G, L, Act>::own_buffers(Args args) const {
   QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error, "a moved-from QuantBlendLinear");
-  QBL_EXPECTS((args.mixed == nullptr) == (args.stats == nullptr) ||
-                  (stats_optional && args.mixed != nullptr),
-              qbl::invalid_argument,
-              "mixed and stats are both given or both null (the instance's own)");
-  if (args.mixed == nullptr) {
+  if (args.mixed == nullptr && args.stats == nullptr) {
     args.mixed = mixed_.as<G>();
     args.stats = stats_.as<float>();
   }
   return args;
 }
 
-template <typename X, typename G, typename L>
-void QuantBlendLinear<X, G, L>::forward(const ForwardArguments& args, cudaStream_t stream) {
+template <typename X, typename G, typename L, typename Act>
+void QuantBlendLinear<X, G, L, Act>::forward(const ForwardArguments& args, cudaStream_t stream) {
+  QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error, "a moved-from QuantBlendLinear");
+  QBL_EXPECTS((args.mixed == nullptr) == (args.stats == nullptr), qbl::invalid_argument,
+              "mixed and stats are both given or both null (the instance's own)");
   forward_.run(own_buffers(args), workspace_.get(), stream);
 }
 
-template <typename X, typename G, typename L>
-void QuantBlendLinear<X, G, L>::forward_local_amax(const X* x, std::int64_t tokens, float* stats,
-                                                   cudaStream_t stream) {
+template <typename X, typename G, typename L, typename Act>
+void QuantBlendLinear<X, G, L, Act>::forward_local_amax(const X* x, std::int64_t tokens,
+                                                        float* stats, cudaStream_t stream) {
   QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error, "a moved-from QuantBlendLinear");
   forward_.local_amax(x, tokens, stats, stream);
 }
 
-template <typename X, typename G, typename L>
-void QuantBlendLinear<X, G, L>::backward(const BackwardArguments& args, cudaStream_t stream) {
-  const BackwardArguments a = own_buffers(args, /*stats_optional=*/true);
+template <typename X, typename G, typename L, typename Act>
+void QuantBlendLinear<X, G, L, Act>::backward(const BackwardArguments& args, cudaStream_t stream) {
+  const BackwardArguments a = own_buffers(args);
   QBL_EXPECTS(backward_ != nullptr, qbl::logic_error,
               "backward() needs a QuantBlendLinear constructed with Options::backward = true");
   backward_->run(a, workspace_.get(), side_.get(), stream);

@@ -38,14 +38,6 @@
 
 namespace qbl::detail {
 
-QBL_HOST_DEVICE float fma_rn(float a, float b, float c) {
-#if defined(__CUDA_ARCH__)
-  return __fmaf_rn(a, b, c);
-#else
-  return std::fma(a, b, c);
-#endif
-}
-
 QBL_HOST_DEVICE float rcp_rn(float v) {
 #if defined(__CUDA_ARCH__)
   return __frcp_rn(v);

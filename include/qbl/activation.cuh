@@ -1,0 +1,179 @@
+// qbl/activation.cuh -- the input activations a layer can apply to its input before it quantizes:
+// the layer then computes Linear(blend(quant(act(x)))), forward and backward, without act(x) ever
+// being stored.
+//
+//   qbl::ForwardPlan<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, qbl::Gelu> fwd(in, out, tokens);
+//
+// Each activation is a type (like CUTLASS's epilogue functors), chosen when a plan is made and
+// inlined into the kernels: never a branch per element or per call. Its element functions are
+// __host__ __device__ and compute what PyTorch eager's CUDA kernels compute, bit for bit on the
+// device:
+//   forward(h)       F.gelu(h) / F.gelu(h, approximate="tanh") / F.relu(h) / F.silu(h) in fp32
+//                    (eager's opmath for float, bfloat16 and half), before the rounding to the
+//                    tensor's type, which the caller does: act(h) = RN_T(forward(h))
+//   backward(dy, h)  the activation's backward (gelu_backward, silu_backward, threshold_backward)
+//                    in fp32 from the incoming gradient dy (a value of T) and the input h, before
+//                    the rounding to T
+// Eager's kernels are compiled without fast math and with nvcc's default contraction of a
+// product feeding a sum into one fused multiply-add; the expressions below are eager's, in the
+// same order, with each rounding written out (__fmaf_rn where nvcc contracts, __fmul_rn /
+// __fadd_rn / __fdiv_rn where it cannot), so the bits do not depend on the flags qbl is compiled
+// with. erff, expf and tanhf are the CUDA math library's, as in eager. The test suite checks every
+// 16-bit value against eager. On the host the same expressions run with the host's libm, whose
+// erff / expf / tanhf may differ from CUDA's in the last place: host results are for tests with
+// a tolerance, not for bit comparisons.
+#pragma once
+
+#include <qbl/detail/config.cuh>
+#include <qbl/detail/vec.cuh>
+#include <qbl/element_math.cuh>
+#include <qbl/types.hpp>
+
+#include <cmath>
+#include <type_traits>
+
+namespace qbl {
+
+/// The activations, as values (a binding's runtime choice maps onto the types below).
+enum class Activation { identity, gelu, gelu_tanh, relu, silu };
+
+/// No activation: the layer quantizes its input itself.
+struct Identity {
+  static constexpr Activation kind = Activation::identity;
+  QBL_HOST_DEVICE static float forward(float h) { return h; }
+  QBL_HOST_DEVICE static float backward(float dy, float) { return dy; }
+};
+
+/// F.gelu(h) (approximate="none"): h * 0.5 * (1 + erf(h / sqrt(2))).
+struct Gelu {
+  static constexpr Activation kind = Activation::gelu;
+  static constexpr float alpha = static_cast<float>(0.70710678118654752440);  // M_SQRT1_2
+  /// M_2_SQRTPI * M_SQRT1_2 * 0.5 in double, rounded once (eager's constexpr kBeta).
+  static constexpr float beta =
+      static_cast<float>(1.12837916709551257390 * 0.70710678118654752440 * 0.5);
+  QBL_HOST_DEVICE static float forward(float h) {
+    using namespace detail;
+    return mul_rn(mul_rn(h, 0.5f), add_rn(1.0f, erff(mul_rn(h, alpha))));
+  }
+  /// dy * (cdf + h * pdf): cdf = 0.5 * (1 + erf(h * alpha)), pdf = exp(-0.5 * h * h) * beta.
+  QBL_HOST_DEVICE static float backward(float dy, float h) {
+    using namespace detail;
+    const float cdf = mul_rn(0.5f, add_rn(1.0f, erff(mul_rn(h, alpha))));
+    const float pdf = mul_rn(expf(mul_rn(mul_rn(-0.5f, h), h)), beta);
+    return mul_rn(dy, fma_rn(h, pdf, cdf));
+  }
+};
+
+/// F.gelu(h, approximate="tanh"): 0.5 * h * (1 + tanh(beta * (h + kappa * h^3))).
+struct GeluTanh {
+  static constexpr Activation kind = Activation::gelu_tanh;
+  /// M_SQRT2 * M_2_SQRTPI * 0.5 in double, rounded once (eager's kBeta).
+  static constexpr float beta =
+      static_cast<float>(1.41421356237309504880 * 1.12837916709551257390 * 0.5);
+  static constexpr float kappa = static_cast<float>(0.044715);
+  static constexpr float three_kappa = 3.0f * kappa;  // eager's opmath_t(3) * kKappa, in float
+  QBL_HOST_DEVICE static float forward(float h) {
+    using namespace detail;
+    const float cube = mul_rn(mul_rn(h, h), h);
+    const float inner = mul_rn(beta, fma_rn(kappa, cube, h));
+    return mul_rn(mul_rn(0.5f, h), add_rn(1.0f, tanhf(inner)));
+  }
+  QBL_HOST_DEVICE static float backward(float dy, float h) {
+    using namespace detail;
+    const float sq = mul_rn(h, h);
+    const float cube = mul_rn(sq, h);
+    const float inner = mul_rn(beta, fma_rn(kappa, cube, h));
+    const float t = tanhf(inner);
+    const float left = mul_rn(0.5f, h);
+    const float right = add_rn(1.0f, t);
+    const float left_derivative = mul_rn(0.5f, right);
+    const float tanh_derivative = fma_rn(-t, t, 1.0f);
+    const float inner_derivative = mul_rn(beta, fma_rn(three_kappa, sq, 1.0f));
+    return mul_rn(dy, fma_rn(mul_rn(left, tanh_derivative), inner_derivative, left_derivative));
+  }
+};
+
+/// F.relu(h) = clamp_min(h, 0): NaN stays NaN, -0.0 stays -0.0. Its backward,
+/// threshold_backward(dy, relu(h), 0), passes dy where the output is above 0 (or NaN).
+struct Relu {
+  static constexpr Activation kind = Activation::relu;
+  QBL_HOST_DEVICE static float forward(float h) { return h != h ? h : (h < 0.0f ? 0.0f : h); }
+  QBL_HOST_DEVICE static float backward(float dy, float h) {
+    return forward(h) <= 0.0f ? 0.0f : dy;
+  }
+};
+
+/// F.silu(h) = h / (1 + exp(-h)).
+struct Silu {
+  static constexpr Activation kind = Activation::silu;
+  QBL_HOST_DEVICE static float forward(float h) {
+    using namespace detail;
+    return div_rn(h, add_rn(1.0f, expf(-h)));
+  }
+  /// dy * s * (1 + h * (1 - s)), s = 1 / (1 + exp(-h)): silu_backward.
+  QBL_HOST_DEVICE static float backward(float dy, float h) {
+    using namespace detail;
+    const float s = div_rn(1.0f, add_rn(1.0f, expf(-h)));
+    return mul_rn(mul_rn(dy, s), fma_rn(h, sub_rn(1.0f, s), 1.0f));
+  }
+};
+
+/// Every activation, for a binding's dispatch and the tests.
+using Activations = TypeList<Identity, Gelu, GeluTanh, Relu, Silu>;
+
+/// act(h) for a value h of type T, rounded to T as eager stores it.
+template <typename Act, typename T>
+QBL_HOST_DEVICE float activate(float h) {
+  if constexpr (std::is_same_v<Act, Identity>) {
+    return h;
+  } else {
+    return detail::round_to<T>(Act::forward(h));
+  }
+}
+
+/// The activation's backward for the gradient dy (a value of T) at the input h, rounded to T.
+template <typename Act, typename T>
+QBL_HOST_DEVICE float activate_backward(float dy, float h) {
+  if constexpr (std::is_same_v<Act, Identity>) {
+    return dy;
+  } else {
+    return detail::round_to<T>(Act::backward(dy, h));
+  }
+}
+
+namespace detail {
+
+/// Is Act one of qbl's activations?
+template <typename Act>
+inline constexpr bool is_activation = contains_type<Activations, Act>;
+
+/// act applied to each element of a vector of T.
+template <typename Act, typename T, int N>
+__device__ __forceinline__ Vec<T, N> activate_vec(const Vec<T, N>& h) {
+  if constexpr (std::is_same_v<Act, Identity>) {
+    return h;
+  } else {
+    Vec<T, N> x;
+#pragma unroll
+    for (int j = 0; j < N; ++j) x.v[j] = from_float<T>(Act::forward(to_float(h.v[j])));
+    return x;
+  }
+}
+
+/// The activation's backward applied to each element of a gradient vector dy at the inputs h.
+template <typename Act, typename T, int N>
+__device__ __forceinline__ Vec<T, N> activate_backward_vec(const Vec<T, N>& dy,
+                                                           const Vec<T, N>& h) {
+  if constexpr (std::is_same_v<Act, Identity>) {
+    return dy;
+  } else {
+    Vec<T, N> out;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      out.v[j] = from_float<T>(Act::backward(to_float(dy.v[j]), to_float(h.v[j])));
+    return out;
+  }
+}
+
+}  // namespace detail
+}  // namespace qbl
