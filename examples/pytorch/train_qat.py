@@ -8,9 +8,12 @@
 
 The model: token embedding (vocab 4096, width D) -> 4 blocks -> LayerNorm -> LM head -> cross-
 entropy. A block: h = LayerNorm(x); logits = Linear(D, 1)(h), one gate per token; x = x +
-QBL(4D, D)(GELU(QBL(D, 4D)(h, logits)), logits), QBL being qbl.QuantBlendLinear ("qbl") or
-ReferenceQuantBlendLinear below ("reference": reference.py's Model with nn.Linear's parameters);
-both models have the same parameter names and start from the same values. The task: each token
+QBL(4D, D)(GELU(QBL(D, 4D)(h, logits)), logits), QBL being ReferenceQuantBlendLinear below
+("reference": reference.py's Model with nn.Linear's parameters, F.gelu between the layers) or
+qbl.QuantBlendLinear, the GELU fused into the second layer (activation="gelu": the layer keeps
+the first layer's output, not GELU's), with `mixed` kept for the backward ("qbl keep",
+keep_mixed=True) or recomputed in it ("qbl recompute", keep_mixed=False); all models have the
+same parameter names and start from the same values. The task: each token
 id has 4 fixed random successors with fixed odds, the target is one of them (the next token of a
 sparse random Markov chain), so the loss falls from about ln(4096) = 8.3 towards the targets'
 entropy (about 1.2). The blocks mix nothing across positions, so the tokens are drawn independently.
@@ -18,10 +21,12 @@ entropy (about 1.2). The blocks mix nothing across positions, so the tokens are 
 A step is forward, loss, backward and a fused AdamW step on 8 x 1024 tokens, all batches made on
 the GPU beforehand. Precisions: bf16 (parameters and activations in bfloat16), autocast (float32
 parameters under torch.autocast(bfloat16)), fp32 (TF32 off). For each D and timed precision, both
-variants run eager and torch.compile'd (default mode, dynamic=False): all four are warmed up
+variants run eager and torch.compile'd (default mode, dynamic=False): all of them are warmed up
 (compiling, qbl planning), then take turns in rounds, each timing --round-steps consecutive steps
-between one pair of CUDA events. Reported: the median ms per step over the rounds, and the host's
-time per step to enqueue them. Loss curves: reference and qbl from the same parameters on the same
+between one pair of CUDA events. Reported: the median ms per step over the rounds, the host's
+time per step to enqueue them, and the peak memory of a step: torch.cuda.max_memory_allocated()
+over the round's steps above what was allocated before them (parameters, optimizer state and
+data), the median over rounds. Loss curves: reference and qbl from the same parameters on the same
 batches, and the reference a second time, for the size of its own run-to-run differences.
 
 Progress goes to stderr; markdown (environment, step and host times, losses and their agreement)
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import math
@@ -56,14 +62,17 @@ from compare import exact_fp32_matmul  # noqa: E402
 from reference import _fake_quant_symmetric_int8  # noqa: E402
 
 PRECISIONS = ("bf16", "autocast", "fp32")
-VARIANTS = ("reference", "qbl")
+# The qbl variants: keep_mixed of qbl.QuantBlendLinear.
+QBL_VARIANTS = {"qbl keep": True, "qbl recompute": False}
+VARIANTS = ("reference",) + tuple(QBL_VARIANTS)
 MODES = ("eager", "compile")
 MODE_NAMES = {"eager": "eager", "compile": "compiled"}
 SUCCESSOR_PROBS = (0.5, 0.25, 0.15, 0.1)  # the odds of each token's successors
 # (name, variant, mode) of the loss-curve runs; the compiled ones with --curve-compiled.
-CURVE_RUNS = [("reference eager", "reference", "eager"), ("qbl eager", "qbl", "eager"),
+CURVE_RUNS = [("reference eager", "reference", "eager"), ("qbl eager", "qbl recompute", "eager"),
               ("reference eager, 2nd run", "reference", "eager"),
-              ("reference compiled", "reference", "compile"), ("qbl compiled", "qbl", "compile")]
+              ("reference compiled", "reference", "compile"),
+              ("qbl compiled", "qbl recompute", "compile")]
 # (a, b) pairs whose loss curves are compared, where both ran.
 COMPARISONS = [("qbl eager", "reference eager"), ("reference eager, 2nd run", "reference eager"),
                ("qbl compiled", "reference compiled"), ("reference compiled", "reference eager"),
@@ -99,27 +108,33 @@ class ReferenceQuantBlendLinear(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, layer: type, device):
+    """h = LayerNorm(x); x + down(GELU(up(h, logits)), logits). `fused`: `down` applies the GELU
+    itself (qbl.QuantBlendLinear(..., activation="gelu")); otherwise F.gelu runs between them."""
+
+    def __init__(self, d: int, layer: Callable, device, fused: bool):
         super().__init__()
         self.norm = nn.LayerNorm(d, device=device)
         self.gate = nn.Linear(d, 1, device=device)
         self.up = layer(d, 4 * d, device=device)
-        self.down = layer(4 * d, d, device=device)
+        self.fused = fused
+        self.down = layer(4 * d, d, device=device, **({"activation": "gelu"} if fused else {}))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
         logits = self.gate(h).squeeze(-1)  # one gate per token, shared by both layers
-        return x + self.down(F.gelu(self.up(h, logits)), logits)
+        u = self.up(h, logits)
+        return x + self.down(u if self.fused else F.gelu(u), logits)
 
 
 class TinyLM(nn.Module):
     """forward(tokens, targets) -> the mean cross-entropy loss (the loss inside forward, so that
     torch.compile sees it too)."""
 
-    def __init__(self, vocab: int, d: int, n_blocks: int, layer: type, device):
+    def __init__(self, vocab: int, d: int, n_blocks: int, layer: Callable, device,
+                 fused: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, d, device=device)
-        self.blocks = nn.ModuleList(Block(d, layer, device) for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(Block(d, layer, device, fused) for _ in range(n_blocks))
         self.norm = nn.LayerNorm(d, device=device)
         self.head = nn.Linear(d, vocab, device=device)
 
@@ -159,10 +174,13 @@ class Models:
         torch.manual_seed(args.seed)
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         ref = TinyLM(args.vocab, d, args.blocks, ReferenceQuantBlendLinear, "cuda").to(dtype)
-        new = TinyLM(args.vocab, d, args.blocks, qbl.QuantBlendLinear, "cuda").to(dtype)
-        new.load_state_dict(ref.state_dict())
         self.init_state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
-        self.eager: Dict[str, nn.Module] = {"reference": ref, "qbl": new}
+        self.eager: Dict[str, nn.Module] = {"reference": ref}
+        for name, keep in QBL_VARIANTS.items():
+            layer = functools.partial(qbl.QuantBlendLinear, keep_mixed=keep)
+            new = TinyLM(args.vocab, d, args.blocks, layer, "cuda", fused=True).to(dtype)
+            new.load_state_dict(self.init_state)
+            self.eager[name] = new
         self.compiled: Dict[str, Tuple[nn.Module, Callable]] = {}
         self.lr = args.lr if args.lr is not None else default_lr(d)
 
@@ -229,10 +247,14 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def timed_steps(step: Callable, batches: Batches, k: int, first: int) -> Tuple[float, float]:
-    """k consecutive steps between one pair of CUDA events: (GPU ms, host enqueue ms) per step."""
+def timed_steps(step: Callable, batches: Batches, k: int,
+                first: int) -> Tuple[float, float, float]:
+    """k consecutive steps between one pair of CUDA events: (GPU ms, host enqueue ms) per step,
+    and the peak memory of the steps (MiB above what was allocated before them)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     start.record()
     t0 = time.perf_counter()
     for i in range(first, first + k):
@@ -240,14 +262,15 @@ def timed_steps(step: Callable, batches: Batches, k: int, first: int) -> Tuple[f
     host_s = time.perf_counter() - t0
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / k, host_s * 1e3 / k
+    peak_mib = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    return start.elapsed_time(end) / k, host_s * 1e3 / k, peak_mib
 
 
 def time_precision(models: Models, precision: str, batches: Batches, args, bar: Progress,
                    failures: List[str], label: str) -> Dict[Tuple[str, str], Dict[str, list]]:
     """Warms up every (variant, mode), then times them in interleaved rounds."""
     steps = {}
-    for variant in VARIANTS:
+    for variant in args.variants:
         for mode in args.modes:
             name = f"{variant} {MODE_NAMES[mode]}"
             bar.update(0, f"{label}: warm-up {name}")
@@ -265,20 +288,22 @@ def time_precision(models: Models, precision: str, batches: Batches, args, bar: 
             bar.write(f"{label} {name}: warm-up {time.perf_counter() - t0:.1f} s")
             bar.update(1)
             steps[(variant, mode)] = step
-    times = {key: {"gpu_ms": [], "host_ms": []} for key in steps}
+    times = {key: {"gpu_ms": [], "host_ms": [], "peak_mib": []} for key in steps}
     keys = list(steps)
     for r in range(args.rounds):
         bar.update(0, f"{label}: timing round {r + 1}/{args.rounds}")
         for j in range(len(keys)):
             key = keys[(r + j) % len(keys)]  # the order rotates: none always goes first
-            gpu_ms, host_ms = timed_steps(steps[key], batches, args.round_steps,
-                                          r * args.round_steps)
+            gpu_ms, host_ms, peak_mib = timed_steps(steps[key], batches, args.round_steps,
+                                                    r * args.round_steps)
             times[key]["gpu_ms"].append(gpu_ms)
             times[key]["host_ms"].append(host_ms)
+            times[key]["peak_mib"].append(peak_mib)
             bar.update(1)
     for key, t in times.items():
         bar.write(f"{label} {key[0]} {MODE_NAMES[key[1]]}: {statistics.median(t['gpu_ms']):.3f} "
-                  f"ms per step, host {statistics.median(t['host_ms']):.3f} ms")
+                  f"ms per step, host {statistics.median(t['host_ms']):.3f} ms, peak "
+                  f"{statistics.median(t['peak_mib']):.0f} MiB")
     return times
 
 
@@ -340,23 +365,33 @@ def median_of(times, key, field) -> float:
 def step_tables(timings) -> str:
     cols = [(v, m) for v in VARIANTS for m in MODES]
     names = [f"{v} {MODE_NAMES[m]}" for v, m in cols]
-    head = ["D", "precision"] + names + ["qbl compiled vs reference compiled",
-                                         "qbl eager vs reference compiled"]
+    qbl_cols = [(v, m) for v in QBL_VARIANTS for m in ("compile", "eager")]
+    head = ["D", "precision"] + names + [f"{v} {MODE_NAMES[m]} vs reference compiled"
+                                         for v, m in qbl_cols]
     lines = ["## Time per training step (ms, median over rounds)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    mem = ["## Peak memory of a step (MiB above what was allocated before it, median over rounds)",
+           "", "| " + " | ".join(head[:2 + len(names)] + [f"{v} {MODE_NAMES[m]} / reference "
+                                                         "compiled" for v, m in qbl_cols]) + " |",
+           "|" + "---|" * len(head)]
     host = ["## Host time per step to enqueue it (ms, median over rounds)", "",
             "Close to the step time above: the host sets the pace, or waited for a full launch "
             "queue.", "", "| " + " | ".join(head[:2 + len(names)]) + " |",
             "|" + "---|" * (2 + len(names))]
     for (d, precision), times in timings.items():
         ms = {c: median_of(times, c, "gpu_ms") for c in cols}
+        mib = {c: median_of(times, c, "peak_mib") for c in cols}
         base = ms[("reference", "compile")]
-        speed = [fmt(base / ms[("qbl", m)], "{:.2f}x") for m in ("compile", "eager")]
+        speed = [fmt(base / ms[c], "{:.3f}x") for c in qbl_cols]
         lines.append(f"| {d} | {precision} | " + " | ".join(fmt(ms[c]) for c in cols) + " | "
                      + " | ".join(speed) + " |")
+        base_mib = mib[("reference", "compile")]
+        ratio = [fmt(mib[c] / base_mib, "{:.3f}") for c in qbl_cols]
+        mem.append(f"| {d} | {precision} | " + " | ".join(fmt(mib[c], "{:.0f}") for c in cols)
+                   + " | " + " | ".join(ratio) + " |")
         host.append(f"| {d} | {precision} | "
                     + " | ".join(fmt(median_of(times, c, "host_ms")) for c in cols) + " |")
-    return "\n".join(lines + [""] + host) + "\n"
+    return "\n".join(lines + [""] + mem + [""] + host) + "\n"
 
 
 def curve_tables(curves, diffs, steps: int, floor: float) -> str:
@@ -441,6 +476,8 @@ def parse_args():
     ap.add_argument("--precision", default="bf16,autocast",
                     help="precisions to time, of " + ", ".join(PRECISIONS))
     ap.add_argument("--modes", default="eager,compile", help="of eager, compile")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="models to time, of " + ", ".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=None, help="loss-curve steps (100; --quick 50)")
     ap.add_argument("--rounds", type=int, default=None, help="timing rounds (10; --quick 3)")
     ap.add_argument("--round-steps", type=int, default=None,
@@ -463,6 +500,8 @@ def parse_args():
         ap.error(f"--d: {args.d!r} is not a comma-separated list of integers")
     args.precision = parse_list(args.precision, PRECISIONS, "--precision", ap)
     args.modes = [m for m in MODES if m in parse_list(args.modes, MODES, "--modes", ap)]
+    args.variants = [v for v in VARIANTS
+                     if v in parse_list(args.variants, VARIANTS, "--variants", ap)]
     args.curve_precisions = parse_list(args.curve_precisions, PRECISIONS, "--curve-precisions", ap)
     for name, full, quick in (("steps", 100, 50), ("rounds", 10, 3), ("round_steps", 10, 5)):
         if getattr(args, name) is None:
@@ -486,7 +525,7 @@ def main() -> int:
     print("\n".join(f"- {k}: {v}" for k, v in env.items()) + "\n", flush=True)
 
     precisions = [p for p in PRECISIONS if p in args.precision or p in args.curve_precisions]
-    runners = len(VARIANTS) * len(args.modes)
+    runners = len(args.variants) * len(args.modes)
     total = sum((runners * (1 + args.rounds) if p in args.precision else 0)
                 + (args.steps * len(curve_runs(args)) if p in args.curve_precisions else 0)
                 for p in precisions) * len(args.d)
@@ -537,7 +576,8 @@ def main() -> int:
         out = {"environment": env, "args": vars(args), "loss_floor": floor,
                "timings": [{"d": d, "precision": p, "variant": v, "mode": m, **t,
                             "gpu_ms_median": statistics.median(t["gpu_ms"]),
-                            "host_ms_median": statistics.median(t["host_ms"])}
+                            "host_ms_median": statistics.median(t["host_ms"]),
+                            "peak_mib_median": statistics.median(t["peak_mib"])}
                            for (d, p), times in timings.items() for (v, m), t in times.items()],
                "curves": [{"d": d, "precision": p, "run": name, "losses": losses}
                           for (d, p), runs in curves.items() for name, losses in runs.items()],
