@@ -1,0 +1,220 @@
+"""The input activation (activation="gelu" / "gelu_tanh" / "relu" / "silu") against eager: the layer
+computes the reference module fed with eager's F.gelu / F.gelu(approximate="tanh") / F.relu /
+F.silu output, bit for bit up to the GEMM, and its gradient of the activation's input is eager's
+activation backward applied to grad_x -- over every value of each 16-bit type, and over special
+and random float32 values. Also: the backward that recomputes `mixed` (keep_mixed=False) gives
+the gradients of the one that keeps it, bit for bit.
+
+With logits = -1e4, alpha = sigmoid(logits) is exactly 0, so mixed = 0 * x_q + 1 * act(h) is
+act(h) itself, bit for bit; and with weight = I, grad_x = grad_out exactly, so h's gradient is
+the activation's backward of grad_out itself: the tests below see act's and act's backward's bits
+directly, and with random logits the whole blend on top of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import helpers as H
+from helpers import torch, qbl, F
+
+ACTIVATIONS = {
+    "gelu": lambda h: F.gelu(h),
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+ACT_PARAMS = [pytest.param(a, id=a) for a in ACTIVATIONS]
+DTYPES16 = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+WIDTH = 256
+
+
+def _every_value(dtype):
+    """Every finite value of a 16-bit dtype, as [rows, WIDTH] (the count is a multiple of 256)."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32, device=H.device()).to(torch.int16)
+    h = bits.view(dtype)
+    h = h[torch.isfinite(h)]
+    assert h.numel() % WIDTH == 0
+    return h.view(-1, WIDTH)
+
+
+def _eager_layer(act, h, logits, weight, bias=None, straight_through=False):
+    """The reference: eager's activation, then the reference module op by op."""
+    return H.eager_forward(ACTIVATIONS[act](h), logits, weight, bias, straight_through)
+
+
+def _qbl_forward(act, h, logits, weight, bias=None):
+    out, mixed, stats = torch.ops.qbl.forward(h, logits, weight, bias, activation=act)
+    return out, mixed, stats
+
+
+@pytest.mark.parametrize("dtype", DTYPES16)
+@pytest.mark.parametrize("act", ACT_PARAMS)
+def test_every_16bit_value_forward(act, dtype):
+    """act(h) for every finite value of the dtype, bit for bit eager's (alpha = 0: mixed is
+    act(h)); then the blend with random logits bit for bit the reference module's on eager's
+    activation output, and stats too."""
+    h = _every_value(dtype)
+    w, _ = H.identity_layer_params(WIDTH, dtype)
+    closed = torch.full(h.shape[:-1], -1e4, dtype=dtype, device=h.device)
+    _, mixed, _ = _qbl_forward(act, h, closed, w)
+    H.assert_bits_equal(mixed, ACTIVATIONS[act](h), f"{act}(h) (as mixed with alpha = 0)")
+    gen = torch.Generator(device=h.device).manual_seed(3)
+    logits = (torch.randn(h.shape[:-1], generator=gen, device=h.device) * 2).to(dtype)
+    _, mixed, stats = _qbl_forward(act, h, logits, w)
+    e = _eager_layer(act, h, logits, w)
+    H.assert_bits_equal(mixed, e.mixed, f"mixed of {act}(h) vs eager's")
+    H.assert_bits_equal(stats, H.eager_stats(e), f"stats of {act}(h) vs eager's")
+
+
+@pytest.mark.parametrize("dtype", DTYPES16)
+@pytest.mark.parametrize("act", ACT_PARAMS)
+def test_every_16bit_value_backward(act, dtype):
+    """The gradient of h for every finite value of the dtype: eager's activation backward of
+    grad_x, bit for bit -- with alpha = 0 (grad_x = grad_out) and with random logits."""
+    h = _every_value(dtype)
+    w, _ = H.identity_layer_params(WIDTH, dtype)
+    g = H.make_grad_out(h.shape, dtype, seed=5)
+    gen = torch.Generator(device=h.device).manual_seed(4)
+    for name, logits in (
+            ("alpha = 0", torch.full(h.shape[:-1], -1e4, dtype=dtype, device=h.device)),
+            ("random logits", (torch.randn(h.shape[:-1], generator=gen,
+                                           device=h.device) * 2).to(dtype))):
+        q = H.run_autograd(lambda x, l, w_, b: qbl.quant_blend_linear(x, l, w_, b, activation=act),
+                           h, logits, w, None, g, want=(True, True, False, False))
+        e = H.run_autograd(lambda x, l, w_, b: _eager_layer(act, x, l, w_, b).out,
+                           h, logits, w, None, g, want=(True, True, False, False))
+        H.assert_bits_equal(q.x, e.x, f"grad of h through {act}, {name}")
+        H.assert_same_nonfinite(q.logits, e.logits, f"grad_logits through {act}, {name}")
+
+
+@pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
+@pytest.mark.parametrize("act", ACT_PARAMS)
+def test_nonfinite_inputs_as_eager(act, dtype):
+    """An Inf or NaN among h: mixed, stats and the gradient of h as eager's (NaN where eager's is
+    NaN), each special value on its own and -0.0 among them."""
+    w, _ = H.identity_layer_params(WIDTH, dtype)
+    gen = torch.Generator(device=H.device()).manual_seed(6)
+    base = (torch.randn(3, WIDTH, generator=gen, device=H.device()) * 3).to(dtype)
+    logits = (torch.randn(3, generator=gen, device=H.device()) * 2).to(dtype)
+    g = H.make_grad_out(base.shape, dtype, seed=7)
+    for special in (float("inf"), float("-inf"), float("nan"), -0.0):
+        h = base.clone()
+        h[1, 7] = special
+        h[2, 0] = -0.0
+        _, mixed, stats = _qbl_forward(act, h, logits, w)
+        e = _eager_layer(act, h, logits, w)
+        H.assert_bits_equal(mixed, e.mixed, f"mixed, {act} of {special}")
+        H.assert_bits_equal(stats, H.eager_stats(e), f"stats, {act} of {special}")
+        q = H.run_autograd(lambda x, l, w_, b: qbl.quant_blend_linear(x, l, w_, b, activation=act),
+                           h, logits, w, None, g, want=(True, False, False, False))
+        r = H.run_autograd(lambda x, l, w_, b: _eager_layer(act, x, l, w_, b).out,
+                           h, logits, w, None, g, want=(True, False, False, False))
+        H.assert_bits_equal(q.x, r.x, f"grad of h, {act} of {special}")
+
+
+@pytest.mark.parametrize("act", ACT_PARAMS)
+def test_fp32_special_and_random_values(act):
+    """float32: h random over several scales with special finite values planted; act(h) (alpha
+    = 0) and the gradient of h (weight = I) bit for bit eager's."""
+    dtype = torch.float32
+    gen = torch.Generator(device=H.device()).manual_seed(8)
+    rows = [torch.randn(64, WIDTH, generator=gen, device=H.device()) * s
+            for s in (1e-3, 1.0, 3.0, 30.0)]
+    h = torch.cat(rows)
+    specials = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 5.0, -5.0, 80.0, -80.0,
+                             1e4, -1e4, 3e38, -3e38], device=H.device())
+    h.view(-1)[:specials.numel()] = specials
+    w, _ = H.identity_layer_params(WIDTH, dtype)
+    closed = torch.full(h.shape[:-1], -1e4, dtype=dtype, device=h.device)
+    _, mixed, _ = _qbl_forward(act, h, closed, w)
+    H.assert_bits_equal(mixed, ACTIVATIONS[act](h), f"{act}(h) float32 (as mixed, alpha = 0)")
+    g = H.make_grad_out(h.shape, dtype, seed=9)
+    q = H.run_autograd(lambda x, l, w_, b: qbl.quant_blend_linear(x, l, w_, b, activation=act),
+                       h, closed, w, None, g, want=(True, False, False, False))
+    e = H.run_autograd(lambda x, l, w_, b: _eager_layer(act, x, l, w_, b).out,
+                       h, closed, w, None, g, want=(True, False, False, False))
+    H.assert_bits_equal(q.x, e.x, f"grad of h through {act}, float32")
+
+
+@pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
+@pytest.mark.parametrize("act", [pytest.param(None, id="none")] + ACT_PARAMS)
+@pytest.mark.parametrize("shape", H.SMALL_SHAPES)
+def test_recomputed_mixed_gives_the_kept_gradients(shape, act, dtype):
+    """keep_mixed=False (the backward recomputes mixed from h and the stats) against
+    keep_mixed=True: every gradient bit for bit, and the forward unchanged."""
+    lead, n_in, n_out, bias = shape
+    x, l, w, b = H.make_inputs(lead, n_in, n_out, dtype, bias=bias, seed=10)
+    g = H.make_grad_out((*lead, n_out), dtype, seed=11)
+
+    def fn(keep):
+        return lambda x_, l_, w_, b_: qbl.quant_blend_linear(x_, l_, w_, b_, activation=act,
+                                                             keep_mixed=keep)
+
+    kept = H.run_autograd(fn(True), x, l, w, b, g)
+    recomputed = H.run_autograd(fn(False), x, l, w, b, g)
+    H.assert_bits_equal(recomputed.out, kept.out, "out")
+    for name in ("x", "logits", "weight", "bias"):
+        if getattr(kept, name) is not None:
+            H.assert_bits_equal(getattr(recomputed, name), getattr(kept, name), f"grad of {name}")
+    # Only the weight gradient wanted: mixed is recomputed without dgrad.
+    kept_w = H.run_autograd(fn(True), x, l, w, b, g, want=(False, False, True, False))
+    rec_w = H.run_autograd(fn(False), x, l, w, b, g, want=(False, False, True, False))
+    H.assert_bits_equal(rec_w.weight, kept_w.weight, "grad of weight alone")
+
+
+@pytest.mark.parametrize("act", ACT_PARAMS)
+def test_activation_against_the_unfused_layer(act):
+    """The fused activation equals F.<act> followed by qbl's plain layer: out and every gradient
+    (float32, fresh random inputs)."""
+    x, l, w, b = H.make_inputs((4, 33), 96, 40, torch.float32, seed=12)
+    g = H.make_grad_out((4, 33, 40), torch.float32, seed=13)
+    fused = H.run_autograd(lambda x_, l_, w_, b_: qbl.quant_blend_linear(x_, l_, w_, b_,
+                                                                          activation=act),
+                           x, l, w, b, g)
+    plain = H.run_autograd(lambda x_, l_, w_, b_: qbl.quant_blend_linear(ACTIVATIONS[act](x_), l_,
+                                                                          w_, b_),
+                           x, l, w, b, g)
+    for name in ("out", "x", "logits", "weight", "bias"):
+        H.assert_bits_equal(getattr(fused, name), getattr(plain, name), name)
+
+
+def test_module_and_errors():
+    """The module carries the activation and keep_mixed; an unknown activation is a ValueError
+    naming the choices, raised before anything runs."""
+    layer = qbl.QuantBlendLinear(64, 32, activation="silu", keep_mixed=False, device=H.device())
+    assert layer.activation == "silu" and layer.keep_mixed is False
+    assert "activation=silu" in repr(layer) and "keep_mixed=False" in repr(layer)
+    x, l, _, _ = H.make_inputs((5,), 64, 32, torch.float32, seed=14)
+    H.assert_bits_equal(layer(x, l),
+                        qbl.quant_blend_linear(x, l, layer.weight, layer.bias, activation="silu"),
+                        "module vs functional")
+    with pytest.raises(ValueError, match="gelu"):
+        qbl.quant_blend_linear(x, l, layer.weight, layer.bias, activation="tanh")
+    with pytest.raises(ValueError, match="activation"):
+        qbl.QuantBlendLinear(64, 32, activation="elu")
+
+
+@pytest.mark.parametrize("act", ACT_PARAMS)
+def test_autocast_runs_the_activation_in_its_input_dtype(act):
+    """Under autocast(bf16), eager runs the activation in its input's dtype (float32 here) and
+    then the reference module under autocast; qbl computes the same: mixed's bits (the GEMM
+    operand) and out within the GEMM's tolerance, gradients' dtypes as eager's."""
+    x, l, w, b = H.make_inputs((3, 40), 128, 64, torch.float32, seed=15)
+    l = l.to(torch.bfloat16)  # a gate Linear's output under autocast
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, mixed, _ = torch.ops.qbl.forward(x, l, w, b, activation=act)
+        e = H.eager_forward(ACTIVATIONS[act](x), l, w, b)
+    H.assert_bits_equal(mixed, e.mixed.to(torch.bfloat16), "mixed under autocast")
+    assert out.dtype == e.out.dtype == torch.bfloat16
+    g = H.make_grad_out(out.shape, torch.bfloat16, seed=16)
+
+    def run(fn):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return H.run_autograd(fn, x, l, w, b, g)
+
+    q = run(lambda x_, l_, w_, b_: qbl.quant_blend_linear(x_, l_, w_, b_, activation=act))
+    r = run(lambda x_, l_, w_, b_: H.eager_forward(ACTIVATIONS[act](x_), l_, w_, b_).out)
+    for name in ("x", "logits", "weight", "bias"):
+        assert getattr(q, name).dtype == getattr(r, name).dtype, name
+    H.assert_bits_equal(q.x, r.x, "grad of h under autocast")
