@@ -29,15 +29,14 @@
 //   train        one forward into caller-provided mixed/stats + one backward computing grad_x,
 //                grad_logits, grad_weight and grad_bias, on a QuantBlendLinear<T> built with
 //                Options::backward (x and logits rotating, grad_out one fixed random tensor),
-//                with the backward plan's own choices; train_overlap / train_serial /
-//                train_bgradb the same with wgrad forced beside / after dgrad, or the bias
-//                gradient forced to the BGRADB epilogue
+//                with the backward plan's own choices; train_overlap / train_serial the same
+//                forward with the backward of a qbl::BackwardPlan<T> run with a qbl::SideStream
+//                (wgrad beside dgrad) / with none (wgrad after dgrad)
 //   train_graph  the same captured into CUDA graphs and replayed (launch-bound shapes only)
 //   bwd_elementwise  qbl::quant_blend_backward alone (grad_x and grad_logits from a ready g_mixed)
 //   column_sum   qbl's bias gradient alone (qbl::bias_grad with its workspace)
-//   bare_dgrad   cuBLASLt NN g · W (no epilogue), bare_wgrad cuBLASLt NT gᵀ · mixed with the
-//                BGRADB bias-gradient epilogue, bare_wgrad_plain the same without it, all set up
-//                as bare_gemm
+//   bare_dgrad   cuBLASLt NN g · W and bare_wgrad cuBLASLt NT gᵀ · mixed, both without epilogue,
+//                set up as bare_gemm
 //
 // Dtypes (--dtypes, any of the four; default fp32,tf32,bf16), element type T:
 //   fp32   float; every GEMM in CUBLAS_COMPUTE_32F (PyTorch's default fp32 matmul)
@@ -348,7 +347,7 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
   if (bare_graph != nullptr) {
     runs.push_back([&](int) { CUDA_CHECK(cudaGraphLaunch(bare_graph, stream)); });
   }
-  if (train) train->add_items(runs);  // train, [train_graph], bare_dgrad, bare_wgrad
+  if (train) train->add_items(runs);  // train, [train_graph], bare_dgrad, bare_wgrad, ...
   // --gemm-probe: the bare GEMM planned as qbl::GemmPlan plans it, one difference at a time, and
   // the layer's own first-ranked GEMM, on the same operands and timed with the rest.
   const std::size_t first_probe = runs.size();
@@ -403,11 +402,10 @@ Row bench_shape(const Shape& shape, Dtype dtype, const GpuInfo& gpu, const Args&
       g_allocated_bytes / (1024.0 * 1048576.0));
   if (row.train.timed()) {
     std::printf(
-        "  %-4s train floor %.4f ms (floor + bare_dgrad + the faster of bare_wgrad with BGRADB%s "
-        "and bare_wgrad_plain + one read of grad_out, + 3 x tokens x D x E B at copy), "
+        "  %-4s train floor %.4f ms (floor + bare_dgrad + bare_wgrad + 4 x tokens x D x E B at "
+        "copy: one read of grad_out for the bias gradient, g_mixed and x read, grad_x written), "
         "train/floor %.3f%s\n",
-        dt, row.train_floor_ms(), row.train.bgradb ? "" : " (none offered)",
-        row.train_over_floor(train_item),
+        dt, row.train_floor_ms(), row.train_over_floor(train_item),
         row.train.t[train_graph_item].valid()
             ? (", train_graph/floor " + fmt("%.3f", row.train_over_floor(train_graph_item))).c_str()
             : "");

@@ -210,33 +210,24 @@ class BareGemm {
 
 // ---- the training floor's bare products: dgrad and wgrad ------------------------------------
 
-// One bare cuBLASLt product D = op(A) · op(B) (+ a vector epilogue) over contiguous column-major
-// operands in T, planned once: the top heuristic result for the exact shape.
+// One bare cuBLASLt product D = op(A) · op(B), no epilogue, over contiguous column-major operands
+// in T, planned once: the top heuristic result for the exact shape.
 struct BareSpec {
   cublasOperation_t ta, tb;
   std::int64_t a_rows, a_cols, b_rows, b_cols, d_rows, d_cols;  // as stored, ld = rows
-  cublasLtEpilogue_t epilogue;
 };
 
 template <typename T>
 class BareProduct {
  public:
-  // `vector`: the epilogue's vector (bias gradient), fixed for every run; nullptr without one.
   // found() is false when cuBLASLt's heuristic offers no algorithm; run() must not be called then.
-  BareProduct(const BareSpec& spec, void* vector, cublasComputeType_t compute)
+  BareProduct(const BareSpec& spec, cublasComputeType_t compute)
       : workspace_(gemm_workspace_bytes) {
     constexpr cudaDataType_t type = qbl::gemm_traits<T>::data_type;
     handle_ = make_lt_handle();
     desc_ = make_lt_desc(compute);
     set_desc(CUBLASLT_MATMUL_DESC_TRANSA, spec.ta);
     set_desc(CUBLASLT_MATMUL_DESC_TRANSB, spec.tb);
-    set_desc(CUBLASLT_MATMUL_DESC_EPILOGUE, spec.epilogue);
-    if (spec.epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
-      set_desc(CUBLASLT_MATMUL_DESC_BIAS_POINTER, vector);
-      if (type != CUDA_R_32F) {
-        set_desc(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<std::int32_t>(type));
-      }
-    }
     a_ = make_lt_layout(type, spec.a_rows, spec.a_cols);
     b_ = make_lt_layout(type, spec.b_rows, spec.b_cols);
     d_ = make_lt_layout(type, spec.d_rows, spec.d_cols);
@@ -286,15 +277,15 @@ class BareProduct {
 // Row-major g_mixed[tokens, in] = g[tokens, out] · W[out, in] as the column-major product
 // g_mixedᵀ (in x tokens) = Wᵀ-view (in x out, ld in) · gᵀ-view (out x tokens, ld out): NN.
 inline BareSpec dgrad_spec(std::int64_t in, std::int64_t out, std::int64_t tokens) {
-  return {CUBLAS_OP_N, CUBLAS_OP_N, in, out, out, tokens, in, tokens, CUBLASLT_EPILOGUE_DEFAULT};
+  return {CUBLAS_OP_N, CUBLAS_OP_N, in, out, out, tokens, in, tokens};
 }
 
 // Row-major grad_W[out, in] = gᵀ · mixed as the column-major product grad_Wᵀ (in x out) =
-// mixedᵀ-view (in x tokens) · (gᵀ-view (out x tokens))ᵀ: NT, k = tokens. BGRADB reduces B
-// over k: grad_bias[o] = sum_t g[t, o].
-inline BareSpec wgrad_spec(std::int64_t in, std::int64_t out, std::int64_t tokens,
-                           cublasLtEpilogue_t epilogue) {
-  return {CUBLAS_OP_N, CUBLAS_OP_T, in, tokens, out, tokens, in, out, epilogue};
+// mixedᵀ-view (in x tokens) · (gᵀ-view (out x tokens))ᵀ: NT, k = tokens. No bias-gradient
+// epilogue: the training floor counts the bias gradient as one read of grad_out (bench_train.cuh
+// says why).
+inline BareSpec wgrad_spec(std::int64_t in, std::int64_t out, std::int64_t tokens) {
+  return {CUBLAS_OP_N, CUBLAS_OP_T, in, tokens, out, tokens, in, out};
 }
 
 }  // namespace

@@ -76,12 +76,12 @@ inline void write_csv(const std::string& path, const GpuInfo& gpu, const std::ve
                  train_item_names[i]);
   }
   std::fprintf(f,
-               ",train_floor_ms,train_over_floor,train_graph_over_floor,bare_wgrad_bgradb,"
+               ",train_floor_ms,train_over_floor,train_graph_over_floor,"
                "train_check_ok,train_unwritten,train_nonfinite,train_mixed_bit_equal,"
                "train_grad_x_rel_diff,train_grad_weight_rel_diff,train_grad_bias_rel_diff,"
                "train_graph_bit_equal,bare_dgrad_algo,bare_wgrad_algo");
   std::fprintf(f,
-               ",overlaps,bias_from_epilogue,variants_bit_equal,bwd_elementwise_over_copy,"
+               ",overlaps,variants_bit_equal,bwd_elementwise_over_copy,"
                "column_sum_over_copy,bare_graph_ms,bare_graph_min_ms,bare_graph_runs,"
                "graph_over_bare_graph\n");
   for (const Row& r : rows) {
@@ -116,24 +116,23 @@ inline void write_csv(const std::string& path, const GpuInfo& gpu, const std::ve
       }
     }
     if (tr.timed()) {
-      std::fprintf(f,
-                   ",%.6g,%.6g,%s,%d,%d,%" PRId64 ",%" PRId64 ",%d,%.3g,%.3g,%.3g,%s,\"%s\",\"%s\"",
+      std::fprintf(f, ",%.6g,%.6g,%s,%d,%" PRId64 ",%" PRId64 ",%d,%.3g,%.3g,%.3g,%s,\"%s\",\"%s\"",
                    r.train_floor_ms(), r.train_over_floor(train_item),
-                   fmt("%.6g", r.train_over_floor(train_graph_item)).c_str(), tr.bgradb,
-                   tr.check_ok(), tr.unwritten, tr.nonfinite, tr.mixed_bit_equal,
-                   tr.grad_x_rel_diff, tr.grad_weight_rel_diff, tr.grad_bias_rel_diff,
+                   fmt("%.6g", r.train_over_floor(train_graph_item)).c_str(), tr.check_ok(),
+                   tr.unwritten, tr.nonfinite, tr.mixed_bit_equal, tr.grad_x_rel_diff,
+                   tr.grad_weight_rel_diff, tr.grad_bias_rel_diff,
                    tr.graph_bit_equal < 0 ? "" : std::to_string(tr.graph_bit_equal).c_str(),
                    tr.dgrad_algo.c_str(), tr.wgrad_algo.c_str());
     } else {
-      std::fprintf(f, ",,,,,,,,,,,,,,");  // the 14 columns after the items' times
+      std::fprintf(f, ",,,,,,,,,,,,,");  // the 13 columns after the items' times
     }
     if (tr.timed()) {
-      std::fprintf(f, ",%d,%d,%s,%s,%s", tr.overlaps, tr.bias_from_epilogue,
+      std::fprintf(f, ",%d,%s,%s,%s", tr.overlaps,
                    tr.variants_bit_equal < 0 ? "" : std::to_string(tr.variants_bit_equal).c_str(),
                    fmt("%.6g", r.bwd_elementwise_over_copy()).c_str(),
                    fmt("%.6g", r.column_sum_over_copy()).c_str());
     } else {
-      std::fprintf(f, ",,,,,");
+      std::fprintf(f, ",,,,");
     }
     if (r.bare_graph.valid()) {
       std::fprintf(f, ",%.6g,%.6g,%d", r.bare_graph.median_ms, r.bare_graph.min_ms,
@@ -191,19 +190,11 @@ const Column columns[] = {
      true},
     {"overlap ms", [](const Row& r) { return fmt("%.4f", r.train.ms(train_overlap_item)); }, true},
     {"serial ms", [](const Row& r) { return fmt("%.4f", r.train.ms(train_serial_item)); }, true},
-    {"bgradb ms", [](const Row& r) { return fmt("%.4f", r.train.ms(train_bgradb_item)); }, true},
-    {"plan",
-     [](const Row& r) {
-       return std::string(r.train.overlaps ? "beside" : "after") +
-              (r.train.bias_from_epilogue ? "+bgradb" : "+colsum");
-     },
-     true},
+    {"plan", [](const Row& r) { return std::string(r.train.overlaps ? "beside" : "after"); }, true},
     {"elem ms", [](const Row& r) { return fmt("%.4f", r.train.ms(bwd_elementwise_item)); }, true},
     {"elem/copy", [](const Row& r) { return fmt("%.2f", r.bwd_elementwise_over_copy()); }, true},
     {"colsum ms", [](const Row& r) { return fmt("%.4f", r.train.ms(column_sum_item)); }, true},
     {"colsum/copy", [](const Row& r) { return fmt("%.2f", r.column_sum_over_copy()); }, true},
-    {"wplain ms", [](const Row& r) { return fmt("%.4f", r.train.ms(bare_wgrad_plain_item)); },
-     true},
 };
 constexpr int column_count = static_cast<int>(sizeof columns / sizeof columns[0]);
 constexpr int text_columns = 2;  // shape and dtype, left-aligned; the numbers right-aligned
@@ -288,13 +279,14 @@ inline void write_md(const std::string& path, const GpuInfo& gpu, const Args& ar
         "train = one forward into caller buffers + one backward computing grad_x, "
         "grad_logits, grad_weight and grad_bias (QuantBlendLinear built with "
         "Options::backward), x and logits rotating, grad_out fixed; tgraph = the same "
-        "replayed from a CUDA graph; overlap / serial / bgradb = train with wgrad forced "
-        "beside / after dgrad, or grad_bias forced to the BGRADB epilogue; plan = what the "
-        "backward plan chose for the shape. dgrad / wgrad / wplain = bare cuBLASLt NN g*W and "
-        "NT g^T*mixed with / without the BGRADB bias gradient. elem = the backward's element "
-        "kernel, over 3*tokens*D*E B at copy bandwidth; colsum = qbl's bias gradient, over "
-        "tokens*D*E B. tfloor = floor + dgrad + min(wgrad, wplain + tokens*D*E B) + "
-        "3*tokens*D*E B at copy bandwidth (read g_mixed and x, write grad_x).\n\n");
+        "replayed from a CUDA graph; overlap / serial = train's backward on a BackwardPlan "
+        "that puts wgrad beside dgrad, run with a side stream / without one (wgrad after "
+        "dgrad); plan = where the layer's backward plan puts wgrad for the shape. dgrad / "
+        "wgrad = bare cuBLASLt NN g*W and NT g^T*mixed, no epilogue. elem = the backward's "
+        "element kernel, over 3*tokens*D*E B at copy bandwidth; colsum = qbl's bias gradient "
+        "(the only one), over tokens*D*E B. tfloor = floor + dgrad + wgrad + 4*tokens*D*E B at "
+        "copy bandwidth (read grad_out for the bias gradient; read g_mixed and x, write "
+        "grad_x).\n\n");
   }
   const std::vector<int> shown = shown_columns(rows);
   for (int c : shown) std::fprintf(f, "| %s ", columns[c].header);
@@ -318,24 +310,24 @@ inline void write_md(const std::string& path, const GpuInfo& gpu, const Args& ar
     std::fprintf(
         f,
         "\nTraining check (input set 0; max rel diff = max|diff| / max|ref| against the "
-        "bare products' outputs, grad_x through qbl::grad_x_value on the host):\n\n"
+        "bare products' outputs, grad_bias against a host fp64 sum of grad_out, grad_x "
+        "through qbl::grad_x_value on the host):\n\n"
         "| shape | dtype | ok | unwritten | non-finite | mixed bit-equal | grad_x | "
-        "grad_weight | grad_bias | tolerance | graph bit-equal | BGRADB | bare dgrad algo | "
-        "bare wgrad algo |\n"
-        "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | "
-        "--- |\n");
+        "grad_weight | grad_bias | tolerance | graph bit-equal | bare dgrad algo | bare wgrad "
+        "algo |\n"
+        "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- "
+        "|\n");
     for (const Row& r : rows) {
       const TrainRow& t = r.train;
       if (!t.timed()) continue;
       std::fprintf(f,
                    "| %s | %s | %s | %" PRId64 " | %" PRId64
-                   " | %s | %.3g | %.3g | %.3g | %.0e | %s | %s | %s | %s |\n",
+                   " | %s | %.3g | %.3g | %.3g | %.0e | %s | %s | %s |\n",
                    r.label().c_str(), r.dtype_label(), t.check_ok() ? "yes" : "NO", t.unwritten,
                    t.nonfinite, t.mixed_bit_equal ? "yes" : "no", t.grad_x_rel_diff,
                    t.grad_weight_rel_diff, t.grad_bias_rel_diff, t.tolerance,
                    t.graph_bit_equal < 0 ? "" : (t.graph_bit_equal ? "yes" : "no"),
-                   t.bgradb ? "yes" : "no (wgrad without epilogue)", t.dgrad_algo.c_str(),
-                   t.wgrad_algo.c_str());
+                   t.dgrad_algo.c_str(), t.wgrad_algo.c_str());
     }
   }
   for (const Row& r : rows) {
@@ -360,7 +352,7 @@ inline void print_summary(const GpuInfo& gpu, const std::vector<Row>& rows, bool
   std::printf("mixed bit-equal to the eager chain on every shape and dtype: %s\n",
               unequal.empty() ? "yes" : ("NO (" + unequal + ")").c_str());
   if (train) {
-    std::string failed, skipped, no_bgradb;  // "shape dtype" lists
+    std::string failed, skipped;  // "shape dtype" lists
     auto add = [](std::string& list, const Row& r) {
       list += std::string(list.empty() ? "" : ", ") + r.label() + " " + r.dtype_label();
     };
@@ -370,19 +362,12 @@ inline void print_summary(const GpuInfo& gpu, const std::vector<Row>& rows, bool
         continue;
       }
       if (!r.train.check_ok()) add(failed, r);
-      if (!r.train.bgradb) add(no_bgradb, r);
     }
     std::printf(
         "training check (outputs written and finite, mixed bit-equal, gradients within "
-        "tolerance of the bare products) on every shape and dtype timed: %s\n",
+        "tolerance of their references) on every shape and dtype timed: %s\n",
         failed.empty() ? "yes" : ("NO (" + failed + ")").c_str());
     if (!skipped.empty()) std::printf("training items SKIPPED for: %s\n", skipped.c_str());
-    if (!no_bgradb.empty()) {
-      std::printf(
-          "NOTE: no cuBLASLt BGRADB algorithm for: %s -- their bare_wgrad ran without the "
-          "bias-gradient epilogue\n",
-          no_bgradb.c_str());
-    }
   }
 }
 

@@ -5,14 +5,12 @@
 // Derived numbers: floor_ms = bare_gemm_ms + 2 * tokens * D * sizeof(T) B / copy bandwidth (read x
 // once, write mixed once, at copy speed); prologue GB/s = 3 * tokens * D * sizeof(T) B /
 // (amax_ms + quant_blend_ms) (amax reads x; quant_blend reads x and writes mixed); GEMM TFLOP/s =
-// 2 * tokens * D^2 / bare_gemm_ms; train_floor_ms = floor_ms + bare_dgrad_ms + min(bare_wgrad_ms
-// (with BGRADB), bare_wgrad_plain_ms + tokens * D * sizeof(T) B / copy bandwidth (one read of
-// grad_out for the bias gradient)) + 3 * tokens * D * sizeof(T) B / copy bandwidth (the backward's
-// elementwise stage reads g_mixed and x and writes grad_x). The training items' CSV columns follow
-// all the earlier ones.
+// 2 * tokens * D^2 / bare_gemm_ms; train_floor_ms = floor_ms + bare_dgrad_ms + bare_wgrad_ms + 4 *
+// tokens * D * sizeof(T) B / copy bandwidth (one read of grad_out for the bias gradient; the
+// backward's elementwise stage reads g_mixed and x and writes grad_x). The training items' CSV
+// columns follow all the earlier ones.
 #pragma once
 
-#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -51,27 +49,24 @@ enum TrainItem {
   bare_wgrad_item,
   train_overlap_item,
   train_serial_item,
-  train_bgradb_item,
   bwd_elementwise_item,
   column_sum_item,
-  bare_wgrad_plain_item,
   train_item_count
 };
 const char* const train_item_names[train_item_count] = {
-    "train",        "train_graph",  "bare_dgrad",      "bare_wgrad", "train_overlap",
-    "train_serial", "train_bgradb", "bwd_elementwise", "column_sum", "bare_wgrad_plain"};
+    "train",         "train_graph",  "bare_dgrad",      "bare_wgrad",
+    "train_overlap", "train_serial", "bwd_elementwise", "column_sum"};
 
 // What the training items measured and checked for one shape and dtype.
 struct TrainRow {
   Timing t[train_item_count];
-  bool bgradb = false;  // bare_wgrad ran with the BGRADB epilogue
   bool mixed_bit_equal = false;
   double grad_x_rel_diff = NAN, grad_weight_rel_diff = NAN, grad_bias_rel_diff = NAN;
   double tolerance = NAN;                       // of the three rel diffs, for this dtype
   std::int64_t unwritten = -1, nonfinite = -1;  // elements of out and the four gradients
   int graph_bit_equal = -1;                     // -1: no graph
   std::string dgrad_algo, wgrad_algo;
-  bool overlaps = false, bias_from_epilogue = false;  // the backward plan's choices for the shape
+  bool overlaps = false;        // the backward plan's choice for the shape: wgrad beside dgrad
   int variants_bit_equal = -1;  // train_overlap and train_serial gave train's gradients bit for bit
   std::string skipped;          // why the items did not run when they were asked for
 
@@ -118,15 +113,16 @@ struct Row {
   double copy_ms(double elements) const {
     return elements * elem_bytes / (copy_gbps() * 1e9) * 1e3;
   }
-  // The forward's floor + bare dgrad + the faster way to the weight and bias gradients (bare
-  // wgrad with BGRADB, or without it plus one read of grad_out) + reading g_mixed and x and
-  // writing grad_x once at copy bandwidth.
+  // The cheapest way to the training step's outputs that the harness can measure: the forward's
+  // floor + bare dgrad + bare wgrad (both without epilogue) + one read of grad_out for the bias
+  // gradient + reading g_mixed and x and writing grad_x once, those bytes at copy bandwidth.
+  // (cuBLASLt's BGRADB epilogue, the fused alternative for the bias gradient, was no cheaper
+  // than the plain wgrad plus that read beyond a repeat's spread: bench_train.cuh, HISTORY.md.)
+  // The products are added one after the other: with wgrad beside dgrad the step can come in
+  // under this floor.
   double train_floor_ms() const {
     if (!train.timed()) return NAN;
-    double wgrad = train.ms(bare_wgrad_item);
-    if (train.t[bare_wgrad_plain_item].valid())
-      wgrad = std::min(wgrad, train.ms(bare_wgrad_plain_item) + copy_ms(n()));
-    return floor_ms() + train.ms(bare_dgrad_item) + wgrad + copy_ms(3.0 * n());
+    return floor_ms() + train.ms(bare_dgrad_item) + train.ms(bare_wgrad_item) + copy_ms(4.0 * n());
   }
   // The backward's element kernel over its reads (g_mixed, x) and write (grad_x) at copy speed.
   double bwd_elementwise_over_copy() const {

@@ -12,10 +12,11 @@
 //                sets. grad_out is ONE fixed random tensor: in training it is consumed right after
 //                the next layer's backward produced it, so it need not come cold from HBM.
 //                mixed/stats are one fixed pair, written by the run's own forward.
-//   train_overlap, train_serial, train_bgradb
-//                the same on layers whose backward plans are forced: wgrad beside dgrad on the
-//                second stream, wgrad after dgrad on one stream, grad_bias from the BGRADB
-//                epilogue -- the measurements the plan's rules are held to
+//   train_overlap, train_serial
+//                the same forward, then the backward on a qbl::BackwardPlan<T> built with
+//                Options::overlap_wgrad = yes, run with the harness's qbl::SideStream (wgrad beside
+//                dgrad) or with none (wgrad after dgrad on the one stream) -- the measurement that
+//                the plan's choice of where wgrad runs is held to
 //   train_graph  the same forward + backward captured into a CUDA graph per input set and
 //                replayed (launch-bound shapes only, as the forward's `graph`)
 //   bwd_elementwise
@@ -23,29 +24,30 @@
 //   column_sum   qbl::bias_grad alone, with its workspace: grad_bias from grad_out
 //   bare_dgrad   cuBLASLt NN: g_mixed[t, i] = sum_o g[t, o] W[o, i]; A, B, D in T, fp32 compute
 //                and scale (TF32 compute for tf32), no epilogue
-//   bare_wgrad   cuBLASLt NT: grad_W[o, i] = sum_t g[t, o] mixed[t, i], with
-//                CUBLASLT_EPILOGUE_BGRADB writing grad_bias[o] = sum_t g[t, o] (in T for 16-bit).
-//                If cuBLASLt offers no BGRADB algorithm for the dtype, the same product without
-//                epilogue is timed instead and the run says so ("bgradb 0" in the CSV).
-//   bare_wgrad_plain  the same product without the epilogue
+//   bare_wgrad   cuBLASLt NT: grad_W[o, i] = sum_t g[t, o] mixed[t, i], no epilogue
 // Both bare products are set up as the forward's bare GEMM: default preferences besides the 32 MiB
 // workspace (and split-K partials reduced in fp32 only for 16-bit T), cuBLASLt's first heuristic
 // result, operands from cudaMalloc (256-byte aligned), g and W never rotating.
 //
 // train floor = forward floor (bare GEMM + 2 * tokens * D * E B at copy bandwidth)
 //               + bare_dgrad + bare_wgrad
+//               + tokens * D * E B at copy bandwidth (the bias gradient reads grad_out once)
 //               + 3 * tokens * D * E B at copy bandwidth (the backward's elementwise stage reads
 //                 g_mixed and x once and writes grad_x once).
+// That is the cheapest way to the step's outputs measured here, and the simplest: cuBLASLt's
+// BGRADB epilogue, which would fold the bias gradient into bare_wgrad, was cheaper than the
+// product without it plus that one read at one shape and dtype of 21 only, by less than
+// repeating a step moves (benchmarks/HISTORY.md, "The bias gradient's source"), so the floor
+// times no BGRADB product.
 //
 // Check before timing, on input set 0: out, mixed and the four gradients are poisoned (all bits
 // set: a NaN in every dtype), one forward + backward runs, and then no element may still hold the
-// poison or be non-finite; `mixed` must be bit-equal to the plain forward's; grad_weight and
-// grad_bias are compared with bare_wgrad's outputs on the same operands (grad_bias with a host
-// fp64 sum of grad_out when there is no BGRADB), and grad_x with qbl::grad_x_value applied on the
-// host to bare_dgrad's g_mixed (alpha from the host's expf, which may differ from the device's in
-// the last place) -- each as max|diff| / max|ref|. The forced variants' grad_x, grad_logits and
-// grad_weight must equal train's bit for bit (where wgrad runs does not change a bit). The check
-// reports; it does not stop the run.
+// poison or be non-finite; `mixed` must be bit-equal to the plain forward's; grad_weight is
+// compared with bare_wgrad's output on the same operands, grad_bias with a host fp64 sum of
+// grad_out, and grad_x with qbl::grad_x_value applied on the host to bare_dgrad's g_mixed (alpha
+// from the host's expf, which may differ from the device's in the last place) -- each as
+// max|diff| / max|ref|. train_overlap's and train_serial's four gradients must equal train's bit
+// for bit (where wgrad runs does not change a bit). The check reports; it does not stop the run.
 #pragma once
 
 #include <qbl/qbl.cuh>
@@ -59,7 +61,6 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -110,8 +111,9 @@ void count_bad(const std::vector<T>& v, std::int64_t& unwritten, std::int64_t& n
 }
 
 // Everything the training items of one shape and dtype need. Construction builds the layer for
-// training (which may throw qbl's exceptions: the caller reports and skips the items) and the two
-// bare products, and fills grad_out.
+// training and the backward plan of train_overlap / train_serial (either may throw qbl's
+// exceptions: the caller reports and skips the items) and the two bare products, and fills
+// grad_out.
 template <typename T>
 class TrainBench {
  public:
@@ -126,10 +128,8 @@ class TrainBench {
         inputs_(inputs),
         stream_(stream),
         layer_(d, d, tokens, training_options(tf32)),
-        overlap_(d, d, tokens, training_options(tf32, qbl::Choice::yes)),
-        serial_(d, d, tokens, training_options(tf32, qbl::Choice::no)),
-        bgradb_layer_(d, d, tokens,
-                      training_options(tf32, qbl::Choice::by_shape, qbl::Choice::yes)),
+        beside_(d, d, tokens, training_options(tf32, qbl::Choice::yes)),
+        beside_ws_(beside_.workspace_bytes(tokens)),
         g_(bytes(n_)),
         out_(bytes(n_)),
         mixed_(bytes(n_)),
@@ -140,26 +140,17 @@ class TrainBench {
         grad_b_(bytes(d)),
         ref_g_mixed_(bytes(n_)),
         ref_grad_w_(bytes(d * d)),
-        ref_grad_b_(bytes(d)),
         scratch_x_(bytes(n_)),
         scratch_logits_(bytes(tokens)),
         scratch_b_(bytes(d)),
         column_ws_(qbl::bias_grad_workspace_bytes(d)),
-        dgrad_(dgrad_spec(d, d, tokens), nullptr, compute_type(tf32)),
-        wgrad_plain_(wgrad_spec(d, d, tokens, CUBLASLT_EPILOGUE_DEFAULT), nullptr,
-                     compute_type(tf32)) {
+        dgrad_(dgrad_spec(d, d, tokens), compute_type(tf32)),
+        wgrad_(wgrad_spec(d, d, tokens), compute_type(tf32)) {
     if (!dgrad_.found()) {
       die("bare_dgrad", "cuBLASLt offers no algorithm for the NN product", __FILE__, __LINE__);
     }
-    wgrad_ = std::make_unique<BareProduct<T>>(wgrad_spec(d, d, tokens, CUBLASLT_EPILOGUE_BGRADB),
-                                              ref_grad_b_.as<void>(), compute_type(tf32));
-    bgradb_ = wgrad_->found();
-    if (!bgradb_) {  // the product alone; the run notes it
-      wgrad_ = std::make_unique<BareProduct<T>>(wgrad_spec(d, d, tokens, CUBLASLT_EPILOGUE_DEFAULT),
-                                                nullptr, compute_type(tf32));
-      if (!wgrad_->found()) {
-        die("bare_wgrad", "cuBLASLt offers no algorithm for the NT product", __FILE__, __LINE__);
-      }
+    if (!wgrad_.found()) {
+      die("bare_wgrad", "cuBLASLt offers no algorithm for the NT product", __FILE__, __LINE__);
     }
     fill_randn(g_.as<T>(), n_, 6, 1.0f, sms, stream_);
     CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -174,26 +165,24 @@ class TrainBench {
   // The check on input set 0 (see the header comment); `plain_mixed` is the plain forward's
   // `mixed` of set 0. Fills the check fields of `row` and prints them.
   void check(const char* dt, const T* plain_mixed, TrainRow& row) {
-    row.bgradb = bgradb_;
     row.dgrad_algo = dgrad_.describe();
-    row.wgrad_algo = wgrad_->describe();
+    row.wgrad_algo = wgrad_.describe();
     row.tolerance = std::is_same_v<T, float> && !tf32_ ? 1e-4 : 1e-2;
     row.overlaps = layer_.backward_plan()->overlaps(tokens_);
-    row.bias_from_epilogue = layer_.backward_plan()->bias_from_epilogue();
     for (const DeviceBuffer* b : {&out_, &mixed_, &grad_x_, &grad_logits_, &grad_w_, &grad_b_,
-                                  &ref_g_mixed_, &ref_grad_w_, &ref_grad_b_}) {
+                                  &ref_g_mixed_, &ref_grad_w_}) {
       CUDA_CHECK(cudaMemsetAsync(b->as<void>(), 0xff, b->bytes(), stream_));
     }
-    // The forced variants first: where wgrad runs changes no bit of the gradients.
+    // train_overlap's and train_serial's first: where wgrad runs changes no bit of the gradients.
     std::vector<unsigned char> variant_bytes[2];
     for (int v = 0; v < 2; ++v) {
-      step(v == 0 ? overlap_ : serial_, 0);
+      step(v == 0 ? Backward::beside : Backward::serial, 0);
       CUDA_CHECK(cudaStreamSynchronize(stream_));
       variant_bytes[v] = gradient_bytes();
     }
-    step(layer_, 0);
+    step(Backward::layer, 0);
     dgrad_.run(w_, g_.as<T>(), ref_g_mixed_.as<T>(), stream_);
-    wgrad_->run(mixed_.as<T>(), g_.as<T>(), ref_grad_w_.as<T>(), stream_);
+    wgrad_.run(mixed_.as<T>(), g_.as<T>(), ref_grad_w_.as<T>(), stream_);
     CUDA_CHECK(cudaStreamSynchronize(stream_));
 
     const auto n = static_cast<std::size_t>(n_), t = static_cast<std::size_t>(tokens_),
@@ -214,8 +203,7 @@ class TrainBench {
     {
       const std::vector<T> grad_b = download(grad_b_.as<T>(), dd);
       count_bad(grad_b, row.unwritten, row.nonfinite);
-      row.grad_bias_rel_diff =
-          max_rel_diff(grad_b, bgradb_ ? download(ref_grad_b_.as<T>(), dd) : host_bias_grad());
+      row.grad_bias_rel_diff = max_rel_diff(grad_b, host_bias_grad());
     }
     {
       const std::vector<T> grad_x = download(grad_x_.as<T>(), n);
@@ -238,29 +226,19 @@ class TrainBench {
     const qbl::GemmPlan<T>& dp = bp.dgrad();
     const qbl::GemmPlan<T>& wp = bp.wgrad();
     const bool d_lt = dp.uses_cublaslt(w_, g_.as<T>(), grad_x_.as<T>(), nullptr, tokens_);
-    const T* bias_vec = bp.bias_from_epilogue() ? grad_b_.as<T>() : nullptr;
     const bool w_lt =
-        wp.uses_cublaslt(mixed_.as<T>(), g_.as<T>(), grad_w_.as<T>(), bias_vec, tokens_);
-    typename qbl::QuantBlendLinear<T>::ForwardArguments fa;
+        wp.uses_cublaslt(mixed_.as<T>(), g_.as<T>(), grad_w_.as<T>(), nullptr, tokens_);
+    qbl::ForwardArgs<T> fa;
     fa.weight = w_, fa.bias = bias_, fa.out = out_.as<T>(), fa.mixed = mixed_.as<T>();
     fa.tokens = tokens_;
-    std::printf(
-        "  %-4s layer forward: %s (%s); dgrad: %s (%s); wgrad%s: %s (%s); wgrad %s dgrad, "
-        "grad_bias from %s\n",
-        dt, layer_.uses_cublaslt(fa) ? "cuBLASLt" : "FALLBACK",
-        layer_.forward_plan().gemm().describe(tokens_, bias_ != nullptr).c_str(),
-        d_lt ? "cuBLASLt" : "FALLBACK", dp.describe(tokens_, false).c_str(),
-        bias_vec ? "+BGRADB" : "", w_lt ? "cuBLASLt" : "FALLBACK",
-        wp.describe(tokens_, bias_vec != nullptr).c_str(),
-        bp.overlaps(tokens_) ? "beside" : "after",
-        bp.bias_from_epilogue() ? "the BGRADB epilogue" : "the column sum");
-    std::printf("  %-4s bare dgrad algo: %s; bare wgrad algo: %s%s\n", dt, row.dgrad_algo.c_str(),
-                row.wgrad_algo.c_str(),
-                bgradb_
-                    ? " (BGRADB)"
-                    : " -- NOTE: cuBLASLt offers no BGRADB algorithm for this dtype: bare_wgrad "
-                      "runs without the bias-gradient epilogue, so the floor omits the bias "
-                      "reduction");
+    std::printf("  %-4s layer forward: %s (%s); dgrad: %s (%s); wgrad: %s (%s); wgrad %s dgrad\n",
+                dt, layer_.uses_cublaslt(fa) ? "cuBLASLt" : "FALLBACK",
+                layer_.forward_plan().gemm().describe(tokens_, bias_ != nullptr).c_str(),
+                d_lt ? "cuBLASLt" : "FALLBACK", dp.describe(tokens_, false).c_str(),
+                w_lt ? "cuBLASLt" : "FALLBACK", wp.describe(tokens_, false).c_str(),
+                bp.overlaps(tokens_) ? "beside" : "after");
+    std::printf("  %-4s bare dgrad algo: %s; bare wgrad algo: %s\n", dt, row.dgrad_algo.c_str(),
+                row.wgrad_algo.c_str());
   }
 
   // One graph of forward + backward per input set (a graph's pointers are fixed); the replay of
@@ -270,7 +248,7 @@ class TrainBench {
       cudaGraph_t g = nullptr;
       cudaGraphExec_t exec = nullptr;
       CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
-      step(layer_, k);
+      step(Backward::layer, k);
       CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
       const cudaError_t st = cudaGraphInstantiate(&exec, g, 0);
       CUDA_CHECK(cudaGraphDestroy(g));
@@ -279,7 +257,7 @@ class TrainBench {
       CUDA_CHECK(cudaGraphUpload(exec, stream_));  // the first launch would otherwise pay for it
     }
     if (graphs_.empty()) return;
-    step(layer_, 0);
+    step(Backward::layer, 0);
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     const std::vector<unsigned char> direct = gradient_bytes();
     CUDA_CHECK(cudaGraphLaunch(graphs_[0], stream_));
@@ -291,8 +269,8 @@ class TrainBench {
         dt, graphs_.size(), row.graph_bit_equal ? "yes" : "no");
   }
 
-  // Appends the items to `runs` (train, train_graph if captured, bare_dgrad, bare_wgrad, the
-  // forced variants, the backward's element kernel and column sum alone, bare_wgrad_plain).
+  // Appends the items to `runs` (train, train_graph if captured, bare_dgrad, bare_wgrad,
+  // train_overlap, train_serial, the backward's element kernel and column sum alone).
   void add_items(std::vector<std::function<void(int)>>& runs) {
     first_ = runs.size();
     ids_.clear();
@@ -300,7 +278,7 @@ class TrainBench {
       ids_.push_back(id);
       runs.push_back(std::move(f));
     };
-    add(train_item, [this](int i) { step(layer_, static_cast<std::size_t>(i)); });
+    add(train_item, [this](int i) { step(Backward::layer, static_cast<std::size_t>(i)); });
     if (!graphs_.empty()) {
       add(train_graph_item, [this](int i) {
         CUDA_CHECK(cudaGraphLaunch(graphs_[static_cast<std::size_t>(i) % graphs_.size()], stream_));
@@ -309,10 +287,9 @@ class TrainBench {
     add(bare_dgrad_item,
         [this](int) { dgrad_.run(w_, g_.as<T>(), ref_g_mixed_.as<T>(), stream_); });
     add(bare_wgrad_item,
-        [this](int) { wgrad_->run(mixed_.as<T>(), g_.as<T>(), ref_grad_w_.as<T>(), stream_); });
-    add(train_overlap_item, [this](int i) { step(overlap_, static_cast<std::size_t>(i)); });
-    add(train_serial_item, [this](int i) { step(serial_, static_cast<std::size_t>(i)); });
-    add(train_bgradb_item, [this](int i) { step(bgradb_layer_, static_cast<std::size_t>(i)); });
+        [this](int) { wgrad_.run(mixed_.as<T>(), g_.as<T>(), ref_grad_w_.as<T>(), stream_); });
+    add(train_overlap_item, [this](int i) { step(Backward::beside, static_cast<std::size_t>(i)); });
+    add(train_serial_item, [this](int i) { step(Backward::serial, static_cast<std::size_t>(i)); });
     add(bwd_elementwise_item, [this](int) {
       CUDA_CHECK(qbl::quant_blend_backward(
           ref_g_mixed_.as<T>(), inputs_.x_of(0), inputs_.logits_of(0), stats_.as<float>() + 1,
@@ -322,11 +299,6 @@ class TrainBench {
       CUDA_CHECK(qbl::bias_grad(g_.as<T>(), scratch_b_.as<T>(), tokens_, d_, false,
                                 column_ws_.as<void>(), stream_));
     });
-    if (wgrad_plain_.found()) {
-      add(bare_wgrad_plain_item, [this](int) {
-        wgrad_plain_.run(mixed_.as<T>(), g_.as<T>(), ref_grad_w_.as<T>(), stream_);
-      });
-    }
   }
 
   // Takes this object's timings out of measure_together's result and reports them.
@@ -341,32 +313,45 @@ class TrainBench {
   static std::size_t bytes(std::int64_t elements) {
     return static_cast<std::size_t>(elements) * sizeof(T);
   }
-  static qbl::Options training_options(bool tf32, qbl::Choice overlap = qbl::Choice::by_shape,
-                                       qbl::Choice bias = qbl::Choice::by_shape) {
+  static qbl::Options training_options(bool tf32, qbl::Choice overlap = qbl::Choice::by_shape) {
     qbl::Options o;
     o.backward = true;
     o.allow_tf32 = tf32;
     o.overlap_wgrad = overlap;
-    o.bias_from_epilogue = bias;
     return o;
   }
   static cublasComputeType_t compute_type(bool tf32) {
     return qbl::gemm_traits<T>::compute_type(training_options(tf32));
   }
 
-  // The timed step: forward into the caller buffers, then the backward from them (input set k).
-  void step(qbl::QuantBlendLinear<T>& layer, std::size_t k) {
-    typename qbl::QuantBlendLinear<T>::ForwardArguments f;
+  // Which backward a step runs: the layer's own (its plan's choices, its own side stream), or
+  // beside_ with the harness's side stream (wgrad beside dgrad) or with none (wgrad after dgrad).
+  enum class Backward { layer, beside, serial };
+
+  // The timed step: the layer's forward into the caller buffers, then a backward from them
+  // (input set k).
+  void step(Backward backward, std::size_t k) {
+    qbl::ForwardArgs<T> f;
     f.x = inputs_.x_of(k), f.logits = inputs_.logits_of(k), f.weight = w_, f.bias = bias_;
     f.out = out_.as<T>(), f.mixed = mixed_.as<T>(), f.stats = stats_.as<float>();
     f.tokens = tokens_;
-    layer.forward(f, stream_);
-    typename qbl::QuantBlendLinear<T>::BackwardArguments b;
+    layer_.forward(f, stream_);
+    qbl::BackwardArgs<T> b;
     b.grad_out = g_.as<T>(), b.x = f.x, b.logits = f.logits, b.weight = w_;
     b.mixed = mixed_.as<T>(), b.stats = stats_.as<float>(), b.tokens = tokens_;
     b.grad_x = grad_x_.as<T>(), b.grad_logits = grad_logits_.as<T>();
     b.grad_weight = grad_w_.as<T>(), b.grad_bias = grad_b_.as<T>();
-    layer.backward(b, stream_);
+    switch (backward) {
+      case Backward::layer:
+        layer_.backward(b, stream_);
+        break;
+      case Backward::beside:
+        beside_.run(b, beside_ws_.as<void>(), &side_, stream_);
+        break;
+      case Backward::serial:
+        beside_.run(b, beside_ws_.as<void>(), nullptr, stream_);
+        break;
+    }
   }
 
   // The four gradients' bytes, one after another.
@@ -380,7 +365,7 @@ class TrainBench {
     return all;
   }
 
-  // grad_bias[o] = sum_t g[t, o] in fp64, rounded to T (the reference without BGRADB).
+  // grad_bias[o] = sum_t g[t, o] in fp64, rounded to T: grad_bias's reference.
   std::vector<T> host_bias_grad() const {
     const std::vector<T> g = download(g_.as<T>(), static_cast<std::size_t>(n_));
     std::vector<double> sum(static_cast<std::size_t>(d_), 0.0);
@@ -416,14 +401,17 @@ class TrainBench {
   const T* bias_;
   InputSets<T> inputs_;
   cudaStream_t stream_;
-  qbl::QuantBlendLinear<T> layer_, overlap_, serial_, bgradb_layer_;
+  qbl::QuantBlendLinear<T> layer_;  // train: its own backward plan, side stream and workspace
+  // train_overlap / train_serial: a plan that puts wgrad beside dgrad wherever it is given a side
+  // stream, its workspace, and the side stream of the one stream the harness runs backwards on.
+  qbl::BackwardPlan<T> beside_;
+  DeviceBuffer beside_ws_;
+  qbl::SideStream side_;
   DeviceBuffer g_, out_, mixed_, stats_;
   DeviceBuffer grad_x_, grad_logits_, grad_w_, grad_b_;
-  DeviceBuffer ref_g_mixed_, ref_grad_w_, ref_grad_b_;               // the bare products' outputs
+  DeviceBuffer ref_g_mixed_, ref_grad_w_;                            // the bare products' outputs
   DeviceBuffer scratch_x_, scratch_logits_, scratch_b_, column_ws_;  // the stages timed alone
-  BareProduct<T> dgrad_, wgrad_plain_;
-  std::unique_ptr<BareProduct<T>> wgrad_;
-  bool bgradb_ = false;
+  BareProduct<T> dgrad_, wgrad_;
   std::vector<cudaGraphExec_t> graphs_;
   std::size_t first_ = 0;       // index of this object's first item in measure_together's list
   std::vector<TrainItem> ids_;  // its items, in order

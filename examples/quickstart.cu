@@ -11,14 +11,47 @@
 #include <random>
 #include <vector>
 
-#define CHECK_CUDA(call)                                                      \
-  do {                                                                        \
-    const cudaError_t e_ = (call);                                            \
-    if (e_ != cudaSuccess) {                                                  \
-      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                           \
-    }                                                                         \
+#define CHECK_CUDA(call)                                                                   \
+  do {                                                                                     \
+    const cudaError_t e_ = (call);                                                         \
+    if (e_ != cudaSuccess) {                                                               \
+      std::fprintf(stderr, "quickstart: %s failed: %s: %s\n", #call, cudaGetErrorName(e_), \
+                   cudaGetErrorString(e_));                                                \
+      std::exit(1);                                                                        \
+    }                                                                                      \
   } while (0)
+
+// What the machine offers: a GPU that takes a context, no CUDA device at all (nothing to run,
+// nothing wrong), or one that CUDA cannot use (an outdated or broken driver, a failing device).
+enum class Gpu { usable, absent, broken };
+
+static Gpu find_gpu() {
+  int devices = 0;
+  const cudaError_t e = cudaGetDeviceCount(&devices);
+  if (e == cudaSuccess && devices > 0) {
+    const cudaError_t c = cudaFree(nullptr);  // a listed device must also take a context
+    if (c == cudaSuccess) return Gpu::usable;
+    std::fprintf(stderr, "quickstart: CUDA cannot start: cudaFree(0): %s: %s\n",
+                 cudaGetErrorName(c), cudaGetErrorString(c));
+    return Gpu::broken;
+  }
+  // No device: a driver that finds none (or CUDA_VISIBLE_DEVICES hides them all), or no CUDA
+  // driver installed at all, for which the runtime reports an insufficient driver and a driver
+  // version of 0. The same error with a real driver version is an outdated driver: broken.
+  int driver = -1;
+  const bool no_driver = cudaDriverGetVersion(&driver) == cudaSuccess && driver == 0;
+  if (e == cudaSuccess || e == cudaErrorNoDevice ||
+      (e == cudaErrorInsufficientDriver && no_driver)) {
+    std::printf("quickstart: no CUDA device on this machine (%s); nothing to run.\n",
+                e == cudaSuccess ? "0 devices"
+                : no_driver      ? "no CUDA driver"
+                                 : cudaGetErrorName(e));
+    return Gpu::absent;
+  }
+  std::fprintf(stderr, "quickstart: CUDA cannot start: cudaGetDeviceCount: %s: %s (driver %d)\n",
+               cudaGetErrorName(e), cudaGetErrorString(e), driver);
+  return Gpu::broken;
+}
 
 // alpha on the device, so that the CPU reference uses the same expf as the kernels (and eager).
 __global__ void sigmoid_kernel(const float* l, float* a, int n) {
@@ -31,10 +64,13 @@ int main(int argc, char** argv) {
   const std::int64_t in = argc > 2 ? std::atoll(argv[2]) : 512;
   const std::int64_t out = argc > 3 ? std::atoll(argv[3]) : 512;
 
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("quickstart: no CUDA device on this machine; nothing to run.\n");
-    return 0;
+  switch (find_gpu()) {
+    case Gpu::absent:
+      return 0;
+    case Gpu::broken:
+      return 1;
+    case Gpu::usable:
+      break;
   }
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));

@@ -15,8 +15,8 @@
 # arguments), and per-stage limits in seconds: TEST_S (900), SANITIZE_S (3600), SEEDS_S (900),
 # PACKAGE_S (600), PYTEST_S (900), COMPARE_S (900), TRAIN_S (900), SHARDED_S (600), BENCH_S (900);
 # SHARDED_ARGS for sharded_timing.py.
-# The test, sanitize, seeds and pytest stages run with QBL_REQUIRE_GPU=1: a GPU test fails, not skips, where no
-# GPU is usable, so a broken machine cannot report everything passed.
+# The test, sanitize, seeds and pytest stages run with QBL_REQUIRE_GPU=1: a GPU test fails, not
+# skips, where no GPU is usable, so a broken machine cannot report everything passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-gpu}

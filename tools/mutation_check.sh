@@ -13,8 +13,9 @@
 #
 # The scratch copy holds the working tree's tracked files and its untracked, not ignored ones
 # (git ls-files --cached --others --exclude-standard), as they are now, edits included; the
-# repository itself is never touched. The script stops if the unmutated copy does not pass, or if
-# a mutant's pattern no longer matches its file (the code moved on: update the mutant).
+# repository itself is never touched. The script stops if the unmutated copy does not pass; a
+# mutant whose pattern no longer matches its file (the code moved on: update the mutant) or whose
+# build fails is reported as such and fails the run, as a surviving mutant does.
 #
 # Environment: SCRATCH (default: a new temporary folder, removed at the end unless KEEP=1),
 # JOBS (default: nproc), CUDA_ARCHS (default 90), CPU_TESTS (the CPU mode's binaries),
@@ -39,7 +40,7 @@ while [ $# -gt 0 ]; do
     --list) list_only=1 ;;
     --save-binaries) save_dir=${2:?--save-binaries needs a folder}; shift ;;
     --run-saved) run_dir=${2:?--run-saved needs a folder}; mode=gpu; shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) wanted+=("$1") ;;
   esac
@@ -108,7 +109,7 @@ m_grad_x_alpha() {
 }
 m_grad_x_no_zero_term() {
   subst $em 'return round_to<T>(add_rn(other, direct));' \
-            'return mode == QuantGrad::straight_through ? round_to<T>(add_rn(other, direct)) : direct;'
+            'return quant_grad == QuantGrad::straight_through ? round_to<T>(add_rn(other, direct)) : direct;'
 }
 
 bw=include/qbl/detail/quant_blend_backward.inl

@@ -2,8 +2,9 @@
 # The randomized property tests (forward and backward, 1000 cases each) under many seeds, with a
 # one-line summary per seed. The seeds: those given, else 10071686998254454627 (a seed that once
 # found a case outside an old, fixed bound), 14087370335047220017 (one that found an overflow the
-# reference's grad_logits interval did not allow for) and 28 drawn from /dev/urandom. JOBS seeds run at once
-# (default: nproc / 2; the tests' float64 references keep the CPUs busier than the GPU).
+# reference's grad_logits interval did not allow for) and 28 drawn from /dev/urandom. JOBS seeds
+# run at once (default: nproc / 2; the tests' float64 references keep the CPUs busier than the
+# GPU).
 #
 #   tools/property_seeds.sh [BUILD] [seed ...]      (BUILD default build-gpu)
 #
