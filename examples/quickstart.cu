@@ -1,5 +1,6 @@
-// quickstart: one QuantBlendLinear forward on random inputs, checked against a CPU reference,
-// then timed. Copy this file to start using qbl.
+// quickstart: a QuantBlendLinear forward on random inputs, checked against a CPU reference,
+// then timed; then the same layer with its input activation, GELU, fused in. Copy this file to
+// start using qbl.
 //
 //   ./qbl_quickstart [tokens] [in_features] [out_features]      (defaults 8192 512 512)
 #include <qbl/qbl.cuh>
@@ -59,6 +60,44 @@ __global__ void sigmoid_kernel(const float* l, float* a, int n) {
   if (i < n) a[i] = qbl::sigmoid(l[i]);
 }
 
+// F.gelu(h) on the device, as eager's kernel computes it (the CUDA math library's erff).
+__global__ void gelu_kernel(const float* h, float* x, std::int64_t n) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) x[i] = qbl::activate<qbl::Gelu, float>(h[i]);
+}
+
+// The CPU reference of a forward whose input (after the activation) was x: mixed exactly as
+// eager computes it, the product in double. Prints and returns whether the layer's matched.
+static bool check(const char* what, const std::vector<float>& x, const std::vector<float>& alpha,
+                  const std::vector<float>& w, const std::vector<float>& b,
+                  const std::vector<float>& mixed, const std::vector<float>& got,
+                  std::int64_t tokens, std::int64_t in, std::int64_t out) {
+  std::uint32_t m = 0;
+  for (float v : x) m = std::max(m, qbl::abs_bits(v));
+  const float scale = qbl::scale_from_amax(qbl::from_abs_bits(m));
+  std::int64_t mixed_mismatch = 0;
+  double num = 0, den = 0;
+  std::vector<float> ref_mixed(in);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    for (std::int64_t i = 0; i < in; ++i) {
+      ref_mixed[i] = qbl::quant_blend_value(x[t * in + i], alpha[t], scale);
+      mixed_mismatch += ref_mixed[i] != mixed[t * in + i];
+    }
+    for (std::int64_t o = 0; o < out; ++o) {
+      double s = b[o];
+      for (std::int64_t i = 0; i < in; ++i) s += static_cast<double>(ref_mixed[i]) * w[o * in + i];
+      const double d = got[t * out + o] - s;
+      num += d * d;
+      den += s * s;
+    }
+  }
+  const double rel = std::sqrt(num / den);
+  std::printf("%s: mixed vs CPU reference: %lld of %lld elements differ (bit-exact expected)\n",
+              what, static_cast<long long>(mixed_mismatch), static_cast<long long>(tokens * in));
+  std::printf("%s: out relative error vs float64: %.3e (limit 1e-5)\n", what, rel);
+  return mixed_mismatch == 0 && rel < 1e-5;
+}
+
 int main(int argc, char** argv) {
   const std::int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 8192;
   const std::int64_t in = argc > 2 ? std::atoll(argv[2]) : 512;
@@ -109,7 +148,7 @@ int main(int argc, char** argv) {
     layer.forward(dx, dl, dw, db, dout, tokens, stream);
     CHECK_CUDA(cudaStreamSynchronize(stream));
 
-    // CPU reference: mixed exactly as eager computes it, the product in double.
+    // CPU reference: alpha from the device (the kernels' expf), the rest on the host.
     sigmoid_kernel<<<static_cast<unsigned>((tokens + 255) / 256), 256>>>(dl, dalpha,
                                                                          static_cast<int>(tokens));
     std::vector<float> alpha(tokens), got(tokens * out), mixed(tokens * in);
@@ -117,30 +156,24 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMemcpy(got.data(), dout, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(mixed.data(), layer.device_mixed(), mixed.size() * sizeof(float),
                           cudaMemcpyDeviceToHost));
-    std::uint32_t m = 0;
-    for (float v : x) m = std::max(m, qbl::abs_bits(v));
-    const float scale = qbl::scale_from_amax(qbl::from_abs_bits(m));
-    std::int64_t mixed_mismatch = 0;
-    double num = 0, den = 0;
-    std::vector<float> ref_mixed(in);
-    for (std::int64_t t = 0; t < tokens; ++t) {
-      for (std::int64_t i = 0; i < in; ++i) {
-        ref_mixed[i] = qbl::quant_blend_value(x[t * in + i], alpha[t], scale);
-        mixed_mismatch += ref_mixed[i] != mixed[t * in + i];
-      }
-      for (std::int64_t o = 0; o < out; ++o) {
-        double s = b[o];
-        for (std::int64_t i = 0; i < in; ++i)
-          s += static_cast<double>(ref_mixed[i]) * w[o * in + i];
-        const double d = got[t * out + o] - s;
-        num += d * d;
-        den += s * s;
-      }
-    }
-    const double rel = std::sqrt(num / den);
-    std::printf("mixed vs CPU reference: %lld of %lld elements differ (bit-exact expected)\n",
-                static_cast<long long>(mixed_mismatch), static_cast<long long>(tokens * in));
-    std::printf("out relative error vs float64: %.3e (limit 1e-5)\n", rel);
+    bool ok = check("layer", x, alpha, w, b, mixed, got, tokens, in, out);
+
+    // The layer with an input activation: it quantizes and blends GELU(x), computed inside (x is
+    // now the activation's input h). Reference: eager's F.gelu on the device, then as above.
+    qbl::QuantBlendLinear<float, float, float, qbl::Gelu> gelu_layer(in, out, tokens);
+    gelu_layer.forward(dx, dl, dw, db, dout, tokens, stream);
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    float* dgelu;
+    CHECK_CUDA(cudaMalloc(&dgelu, x.size() * sizeof(float)));
+    gelu_kernel<<<static_cast<unsigned>((x.size() + 255) / 256), 256>>>(
+        dx, dgelu, static_cast<std::int64_t>(x.size()));
+    std::vector<float> gelu_x(x.size());
+    CHECK_CUDA(cudaMemcpy(gelu_x.data(), dgelu, x.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaFree(dgelu));
+    CHECK_CUDA(cudaMemcpy(got.data(), dout, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(mixed.data(), gelu_layer.device_mixed(), mixed.size() * sizeof(float),
+                          cudaMemcpyDeviceToHost));
+    ok = check("layer with GELU", gelu_x, alpha, w, b, mixed, got, tokens, in, out) && ok;
 
     // Time the forward: warm-up, then the median of 50 event-timed runs.
     cudaEvent_t start, stop;
@@ -159,7 +192,6 @@ int main(int argc, char** argv) {
     std::printf("forward: %.4f ms median of %zu runs\n", ms[ms.size() / 2], ms.size());
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
-    const bool ok = mixed_mismatch == 0 && rel < 1e-5;
     std::printf("%s\n", ok ? "quickstart: OK" : "quickstart: FAILED");
     return ok ? 0 : 1;
   } catch (const std::exception& e) {
