@@ -41,7 +41,10 @@ setup(
     ext_modules=[
         CUDAExtension(
             name="qbl._C",
-            sources=["csrc/qbl_torch.cu"],
+            # One file per concern (csrc/qbl_torch.h says which); the .cpp files need no nvcc.
+            sources=["csrc/ops.cpp", "csrc/checks.cpp", "csrc/layer_registry.cu",
+                     "csrc/cuda_kernels.cu", "csrc/autograd_kernel.cpp",
+                     "csrc/autocast_kernel.cpp"],
             include_dirs=[str(INCLUDE)],
             libraries=["cublasLt"],
             # IEEE arithmetic as the library requires: no fast math, no FMA contraction beyond

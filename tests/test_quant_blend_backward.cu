@@ -1,7 +1,8 @@
 // qbl/quant_blend_backward.cuh and the backward's element math (qbl/element_math.cuh): the host
 // functions against the independent reference of tests/reference.hpp (CPU, runs in CI), the
 // reference's own grad_logits bound against mutants of the formula (CPU), and the launchers
-// qbl::quant_blend_backward and qbl::bias_grad against the reference on the GPU.
+// qbl::quant_blend_backward and qbl::bias_grad against the reference on the GPU, each in one suite
+// over type and shape.
 #include <qbl/quant_blend_backward.cuh>
 
 #include "reference.hpp"
@@ -69,10 +70,10 @@ TYPED_TEST(BackwardElementMath, HostFunctionsMatchTheReference) {
     if (i % 31 == 0) alpha = nan;
     const float scale = scales[i % 6];
     const float oma = rt(1.0f - alpha);  // one rounding of an exact fp32 difference
-    for (qbl::QuantGrad mode : {qbl::QuantGrad::zero, qbl::QuantGrad::straight_through}) {
-      const bool ste = mode == qbl::QuantGrad::straight_through;
+    for (qbl::QuantGrad quant_grad : {qbl::QuantGrad::zero, qbl::QuantGrad::straight_through}) {
+      const bool ste = quant_grad == qbl::QuantGrad::straight_through;
       const float want = qbl_test::reference_grad_x(dt, g, alpha, scale, ste);
-      const float got = qbl::grad_x_value<T>(g, alpha, oma, scale, mode);
+      const float got = qbl::grad_x_value<T>(g, alpha, oma, scale, quant_grad);
       ASSERT_TRUE(same_bits_or_both_nan(got, want))
           << "g " << g << " alpha " << alpha << " scale " << scale << " ste " << ste
           << ": expected " << want << " (0x" << std::hex << bits(want) << "), actual " << got
@@ -232,36 +233,46 @@ const char* scale_name(ScaleKind s) {
   return "?";
 }
 
-struct LaunchCase {
-  DType dtype;  ///< x's; with `gemm`, the GEMM's (g_mixed); with `logits`, the logits'
+/// A launch's shape and the scale it is given (x's own, or a NaN, zero or infinite one).
+struct LaunchShape {
   std::int64_t tokens, features;
-  std::size_t offset;  ///< element offset of g_mixed, x and grad_x (1: the scalar kernel)
-  bool ste;
   ScaleKind scale = ScaleKind::from_x;
-  DType gemm = DType::tf32;    ///< tf32 here means "x's dtype"
-  DType logits = DType::tf32;  ///< likewise
-  DType g_type() const { return gemm == DType::tf32 ? dtype : gemm; }
-  DType l_type() const { return logits == DType::tf32 ? dtype : logits; }
 };
 
-void PrintTo(const LaunchCase& c, std::ostream* os) {
-  *os << qbl_test::dtype_name(c.dtype) << " gemm " << qbl_test::dtype_name(c.g_type()) << " logits "
-      << qbl_test::dtype_name(c.l_type()) << " tokens=" << c.tokens << " features=" << c.features
-      << " offset=" << c.offset << (c.ste ? " ste" : " zero") << " " << scale_name(c.scale);
+void PrintTo(const LaunchShape& c, std::ostream* os) {
+  *os << "tokens=" << c.tokens << " features=" << c.features << " " << scale_name(c.scale);
+}
+
+std::string shape_name(const LaunchShape& c) {
+  return "t" + std::to_string(c.tokens) + "_f" + std::to_string(c.features) + "_" +
+         scale_name(c.scale);
+}
+
+std::vector<LaunchShape> launch_shapes() {
+  std::vector<LaunchShape> v = {{1, 1},    {3, 7},     {7, 65},    {65, 217},  {217, 64},
+                                {9, 2048}, {2049, 33}, {100, 512}, {65, 1024}, {3, 2048}};
+  for (ScaleKind s : {ScaleKind::nan_scale, ScaleKind::zero_scale, ScaleKind::inf_scale})
+    v.push_back({37, 96, s});
+  return v;
 }
 
 /// Which outputs a run asks for, and whether grad_x is formed in g_mixed's own buffer (one type
 /// only).
 enum class Outputs { both, in_place, x_only, logits_only };
 
-template <typename G, typename X, typename L>
-void run_launcher_case(const LaunchCase& c, std::uint64_t seed) {
+/// One launch shape with g_mixed, x and grad_x at element offset `off` (1: the scalar kernel) and
+/// the quantizer's gradient `ste` or zero, every subset of the outputs: grad_x bit for bit the
+/// reference's, grad_logits within its intervals, nothing written that was not asked for.
+template <typename Types>
+void run_launcher_case(const LaunchShape& c, std::size_t off, bool ste, std::uint64_t seed) {
+  using X = typename Types::x_type;
+  using G = typename Types::gemm_type;
+  using L = typename Types::logits_type;
   constexpr DType xt = qbl_test::dtype_of<X>(), gt = qbl_test::dtype_of<G>(),
                   lt = qbl_test::dtype_of<L>();
   constexpr bool one_type = std::is_same_v<G, X>;
   const std::int64_t tokens = c.tokens, f = c.features;
   const auto n = static_cast<std::size_t>(tokens * f);
-  const std::size_t off = c.offset;
   std::vector<float> g = rand_t(gt, n, seed, 0.5f);
   for (std::size_t i = 0; i < n; i += 7) g[i] = -0.0f;  // -0 -> +0 in zero mode
   for (std::size_t i = 3; i < n; i += 11) g[i] = 0.0f;
@@ -292,10 +303,10 @@ void run_launcher_case(const LaunchCase& c, std::uint64_t seed) {
   std::vector<qbl_test::GradLogitRef> want_l(static_cast<std::size_t>(tokens));
   for (std::int64_t t = 0; t < tokens; ++t) {
     for (std::int64_t i = 0; i < f; ++i)
-      want_x[t * f + i] = qbl_test::reference_grad_x(xt, g[t * f + i], alpha[t], scale, c.ste, lt);
+      want_x[t * f + i] = qbl_test::reference_grad_x(xt, g[t * f + i], alpha[t], scale, ste, lt);
     want_l[t] = qbl_test::reference_grad_logit(xt, lt, &g[t * f], &x[t * f], f, alpha[t], scale);
   }
-  const qbl::QuantGrad mode = c.ste ? qbl::QuantGrad::straight_through : qbl::QuantGrad::zero;
+  const qbl::QuantGrad quant_grad = ste ? qbl::QuantGrad::straight_through : qbl::QuantGrad::zero;
 
   for (Outputs outs : {Outputs::both, Outputs::in_place, Outputs::x_only, Outputs::logits_only}) {
     if (outs == Outputs::in_place && !one_type) continue;
@@ -310,8 +321,8 @@ void run_launcher_case(const LaunchCase& c, std::uint64_t seed) {
       if (outs == Outputs::in_place) gx = dg.get(off);
     }
     L* gl = outs == Outputs::x_only ? nullptr : dgl.get(off);
-    QBL_ASSERT_CUDA((qbl::quant_blend_backward<G, X, L>(dg.get(off), dx.get(off), dl.get(),
-                                                        dscale.get(), gx, gl, tokens, f, mode)));
+    QBL_ASSERT_CUDA((qbl::quant_blend_backward<X, G, L>(
+        dg.get(off), dx.get(off), dl.get(), dscale.get(), gx, gl, tokens, f, quant_grad)));
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
     std::vector<X> raw_x(n + off);
     std::vector<L> raw_l(static_cast<std::size_t>(tokens) + off);
@@ -355,76 +366,27 @@ void run_launcher_case(const LaunchCase& c, std::uint64_t seed) {
   }
 }
 
-class QuantBlendBackwardDevice : public ::testing::TestWithParam<LaunchCase> {};
+class QuantBlendBackwardDevice : public ::testing::TestWithParam<qbl_test::Typed<LaunchShape>> {};
 
 TEST_P(QuantBlendBackwardDevice, MatchesTheReference) {
   QBL_REQUIRE_GPU();
   const std::uint64_t seed = qbl_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const LaunchCase& c = GetParam();
-  if (c.dtype == DType::fp32 && c.g_type() != DType::fp32) {
-    const bool bf = c.g_type() == DType::bf16;
-    const bool gate16 = c.l_type() != DType::fp32;
-    if (bf && gate16) run_launcher_case<__nv_bfloat16, float, __nv_bfloat16>(c, seed);
-    if (bf && !gate16) run_launcher_case<__nv_bfloat16, float, float>(c, seed);
-    if (!bf && gate16) run_launcher_case<__half, float, __half>(c, seed);
-    if (!bf && !gate16) run_launcher_case<__half, float, float>(c, seed);
-    return;
-  }
-  switch (c.dtype) {
-    case DType::fp32:
-    case DType::tf32:
-      run_launcher_case<float, float, float>(c, seed);
-      break;
-    case DType::bf16:
-      run_launcher_case<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>(c, seed);
-      break;
-    case DType::fp16:
-      run_launcher_case<__half, __half, __half>(c, seed);
-      break;
-  }
+  const auto& c = GetParam();
+  for (const std::size_t off : {0, 1})
+    for (const bool ste : {false, true}) {
+      SCOPED_TRACE("offset " + std::to_string(off) + (ste ? ", straight-through" : ", zero"));
+      ASSERT_TRUE(qbl_test::with_types(
+          c.types, [&](auto t) { run_launcher_case<decltype(t)>(c.shape, off, ste, seed); }));
+      if (HasFatalFailure()) return;
+    }
 }
 
-std::vector<LaunchCase> launch_cases() {
-  std::vector<LaunchCase> v;
-  const std::pair<std::int64_t, std::int64_t> shapes[] = {
-      {1, 1}, {3, 7}, {7, 65}, {65, 217}, {217, 64}, {9, 2048}, {2049, 33}, {100, 512}};
-  for (DType t : {DType::fp32, DType::bf16, DType::fp16})
-    for (auto [tokens, f] : shapes)
-      for (std::size_t off : {0, 1})
-        for (bool ste : {false, true}) v.push_back({t, tokens, f, off, ste});
-  for (DType t : {DType::fp32, DType::bf16, DType::fp16})
-    for (ScaleKind s : {ScaleKind::nan_scale, ScaleKind::zero_scale, ScaleKind::inf_scale})
-      for (bool ste : {false, true}) v.push_back({t, 37, 96, 0, ste, s});
-  // fp32 x with a 16-bit GEMM, the logits in fp32 or in the GEMM's type (PyTorch's autocast).
-  for (DType g : {DType::bf16, DType::fp16})
-    for (bool gate16 : {false, true})
-      for (auto [tokens, f] : {std::pair<std::int64_t, std::int64_t>{7, 65}, {65, 1024}, {3, 2048}})
-        for (std::size_t off : {0, 1}) {
-          LaunchCase c{DType::fp32, tokens, f, off, off == 1};
-          c.gemm = g;
-          c.logits = gate16 ? g : DType::fp32;
-          v.push_back(c);
-        }
-  return v;
-}
+INSTANTIATE_TEST_SUITE_P(Shapes, QuantBlendBackwardDevice,
+                         ::testing::ValuesIn(qbl_test::over_supported_types(launch_shapes())),
+                         qbl_test::TypedName{});
 
-INSTANTIATE_TEST_SUITE_P(Shapes, QuantBlendBackwardDevice, ::testing::ValuesIn(launch_cases()),
-                         [](const ::testing::TestParamInfo<LaunchCase>& i) {
-                           const LaunchCase& c = i.param;
-                           const std::string types =
-                               c.g_type() == c.dtype && c.l_type() == c.dtype
-                                   ? ""
-                                   : std::string("_to_") + qbl_test::dtype_name(c.g_type()) +
-                                         "_logits_" + qbl_test::dtype_name(c.l_type());
-                           return std::string(qbl_test::dtype_name(c.dtype)) + types + "_t" +
-                                  std::to_string(c.tokens) + "_f" + std::to_string(c.features) +
-                                  "_off" + std::to_string(c.offset) + (c.ste ? "_ste" : "_zero") +
-                                  "_" + scale_name(c.scale);
-                         });
-
-// ---- qbl::bias_grad on the GPU
-// -------------------------------------------------------------------
+// ---- qbl::bias_grad on the GPU ------------------------------------------------------------------
 
 // grad_bias[o] = RN(fp32 sum over tokens) (+ old, rounded again, when accumulating). Element-wise
 // bound against the float64 sum S: any fp32 order errs by at most (tokens - 1) 2^-24 sum |g|, and
@@ -473,38 +435,61 @@ void run_bias_grad_case(std::int64_t tokens, std::int64_t outs, std::size_t off,
   }
 }
 
-class BiasGradDevice : public ::testing::TestWithParam<DType> {};
+/// The column sum's element type (the GEMM's, G) and shape.
+struct BiasShape {
+  DType type;
+  std::int64_t tokens, outs;
+};
+
+void PrintTo(const BiasShape& c, std::ostream* os) {
+  *os << qbl_test::dtype_name(c.type) << " tokens=" << c.tokens << " outs=" << c.outs;
+}
+
+std::vector<BiasShape> bias_shapes() {
+  std::vector<BiasShape> v;
+  for (DType t : {DType::fp32, DType::bf16, DType::fp16})
+    for (auto [tokens, outs] : {std::pair<std::int64_t, std::int64_t>{1, 1},
+                                {3, 7},
+                                {7, 65},
+                                {65, 217},
+                                {2049, 40},
+                                {217, 1000},
+                                {8192, 1024},
+                                {4099, 64}})
+      v.push_back({t, tokens, outs});
+  return v;
+}
+
+class BiasGradDevice : public ::testing::TestWithParam<BiasShape> {};
 
 TEST_P(BiasGradDevice, SumsOverTokensWithinTheFp32Bound) {
   QBL_REQUIRE_GPU();
   const std::uint64_t seed = qbl_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const std::pair<std::int64_t, std::int64_t> shapes[] = {
-      {1, 1}, {3, 7}, {7, 65}, {65, 217}, {2049, 40}, {217, 1000}, {8192, 1024}, {4099, 64}};
-  for (auto [tokens, outs] : shapes) {
-    for (std::size_t off : {0, 1}) {
-      SCOPED_TRACE("tokens " + std::to_string(tokens) + " outs " + std::to_string(outs) +
-                   " offset " + std::to_string(off));
-      switch (GetParam()) {
-        case DType::fp32:
-        case DType::tf32:
-          run_bias_grad_case<float>(tokens, outs, off, seed);
-          break;
-        case DType::bf16:
-          run_bias_grad_case<__nv_bfloat16>(tokens, outs, off, seed);
-          break;
-        case DType::fp16:
-          run_bias_grad_case<__half>(tokens, outs, off, seed);
-          break;
-      }
+  const BiasShape& c = GetParam();
+  for (std::size_t off : {0, 1}) {
+    SCOPED_TRACE("offset " + std::to_string(off));
+    switch (c.type) {
+      case DType::fp32:
+      case DType::tf32:
+        run_bias_grad_case<float>(c.tokens, c.outs, off, seed);
+        break;
+      case DType::bf16:
+        run_bias_grad_case<__nv_bfloat16>(c.tokens, c.outs, off, seed);
+        break;
+      case DType::fp16:
+        run_bias_grad_case<__half>(c.tokens, c.outs, off, seed);
+        break;
     }
+    if (HasFatalFailure()) return;
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Types, BiasGradDevice,
-                         ::testing::Values(DType::fp32, DType::bf16, DType::fp16),
-                         [](const ::testing::TestParamInfo<DType>& i) {
-                           return qbl_test::dtype_name(i.param);
+INSTANTIATE_TEST_SUITE_P(Shapes, BiasGradDevice, ::testing::ValuesIn(bias_shapes()),
+                         [](const ::testing::TestParamInfo<BiasShape>& i) {
+                           return std::string(qbl_test::dtype_name(i.param.type)) + "_t" +
+                                  std::to_string(i.param.tokens) + "_o" +
+                                  std::to_string(i.param.outs);
                          });
 
 // ---- grad_logits as accurate as the arithmetic allows -----------------------------------------
@@ -531,7 +516,7 @@ void compare_with_plain_sums(std::int64_t tokens, std::int64_t f, std::uint64_t 
   QBL_ASSERT_CUDA(cudaMemcpy(dscale.get(), &scale, sizeof scale, cudaMemcpyHostToDevice));
   qbl_test::device_sigmoid_t<float>
       <<<static_cast<unsigned>((tokens + 255) / 256), 256>>>(dl.get(), dalpha.get(), tokens);
-  QBL_ASSERT_CUDA((qbl::quant_blend_backward<G, float>(dg.get(), dx.get(), dl.get(), dscale.get(),
+  QBL_ASSERT_CUDA((qbl::quant_blend_backward<float, G>(dg.get(), dx.get(), dl.get(), dscale.get(),
                                                        nullptr, dgl.get(), tokens, f)));
   QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   std::vector<float> got(tokens), alpha(tokens), plain(tokens);
@@ -605,7 +590,7 @@ void drifting_rows() {
   QBL_ASSERT_CUDA(cudaMemcpy(dscale.get(), &scale, sizeof scale, cudaMemcpyHostToDevice));
   qbl_test::device_sigmoid_t<float>
       <<<static_cast<unsigned>((tokens + 255) / 256), 256>>>(dl.get(), dalpha.get(), tokens);
-  QBL_ASSERT_CUDA((qbl::quant_blend_backward<G, float>(dg.get(), dx.get(), dl.get(), dscale.get(),
+  QBL_ASSERT_CUDA((qbl::quant_blend_backward<float, G>(dg.get(), dx.get(), dl.get(), dscale.get(),
                                                        nullptr, dgl.get(), tokens, f)));
   QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   std::vector<float> got(tokens), alpha(tokens);

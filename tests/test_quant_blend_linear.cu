@@ -1,6 +1,8 @@
-// qbl/quant_blend_linear.cuh: the whole layer -- mixed bit-exact against the CPU, out element by
-// element within the GEMM's derived bound (tests/tolerance.hpp) of a float64 product of it,
-// non-finite inputs, argument validation, moves and CUDA graphs.
+// qbl/quant_blend_linear.cuh: the whole layer -- in one suite over every supported type triple
+// and shape, mixed bit-exact against the CPU and out element by element within the GEMM's derived
+// bound (tests/tolerance.hpp) of a float64 product of it -- and, in fp32, non-finite inputs,
+// argument validation, moves, CUDA graphs and TF32. The plans it composes are tested on their own
+// in test_layer_plans.cu.
 #include <qbl/quant_blend_linear.cuh>
 
 #include "reference.hpp"
@@ -32,34 +34,31 @@ TEST(QuantBlendLinear, RejectsBadSizesBeforeTouchingCuda) {
 }
 
 // The sizes, counted here by hand from the layouts the headers document (each part of a workspace
-// 256-byte aligned): stats, the instance's mixed, and the larger of the two plans' workspaces.
+// 256-byte aligned): stats, the instance's mixed, and the larger of the two plans' workspaces
+// (test_layer_plans.cu counts the plans' own).
 TEST(QuantBlendLinear, WorkspaceBytesCountsEveryBuffer) {
   auto up = [](std::size_t b) { return (b + 255) / 256 * 256; };
   qbl::Options o;
   o.cublas_workspace_bytes = 1000;
   // Forward: the amax kernel's per-block maxima (4096 bytes), then the cuBLASLt workspace.
-  EXPECT_EQ(qbl::ForwardPlan<float>::workspace_bytes_for(1000), 4096u + 1000u);
   EXPECT_EQ(Layer::workspace_bytes(64, 8, 10, o),
             2 * sizeof(float) + 64 * 10 * sizeof(float) + 4096 + 1000);
-  // Backward: one cuBLASLt workspace where wgrad never runs beside dgrad, two where it may; the
-  // column sum's partials (64 ranges of `out` floats); the bias scratch; g_mixed.
+  // Backward: one cuBLASLt workspace where wgrad never runs beside dgrad; the column sum's
+  // partials (64 ranges of `out` floats); g_mixed.
   o.backward = true;
   o.overlap_wgrad = qbl::Choice::no;
-  const std::size_t one = up(1000) + up(64 * 8 * 4) + up(8 * 4) + up(64 * 10 * 4);
-  EXPECT_EQ(qbl::BackwardPlan<float>::workspace_bytes_for(64, 8, 10, 10, o), one);
+  const std::size_t one = up(1000) + up(64 * 8 * 4) + up(64 * 10 * 4);
   EXPECT_EQ(Layer::workspace_bytes(64, 8, 10, o),
             2 * sizeof(float) + 64 * 10 * sizeof(float) + one);
+  // Two cuBLASLt workspaces where wgrad may run beside dgrad.
   o.overlap_wgrad = qbl::Choice::yes;
-  EXPECT_EQ(qbl::BackwardPlan<float>::workspace_bytes_for(64, 8, 10, 10, o), one + up(1000));
-  // g_mixed scales with the token count asked for; bf16 halves it.
-  EXPECT_EQ(qbl::BackwardPlan<float>::workspace_bytes_for(64, 8, 10, 3, o),
-            one + up(1000) - up(64 * 10 * 4) + up(64 * 3 * 4));
-  EXPECT_EQ((qbl::BackwardPlan<float, __nv_bfloat16>::workspace_bytes_for(64, 8, 10, 10, o)),
-            up(1000) * 2 + up(64 * 8 * 4) + up(8 * 2) + up(64 * 10 * 2));
+  EXPECT_EQ(Layer::workspace_bytes(64, 8, 10, o),
+            2 * sizeof(float) + 64 * 10 * sizeof(float) + one + up(1000));
   EXPECT_EQ(qbl::Options{}.cublas_workspace_bytes, std::size_t{32} << 20);
   EXPECT_FALSE(qbl::Options{}.allow_tf32);
+  EXPECT_FALSE(qbl::Options{}.autotune);
+  EXPECT_FALSE(qbl::Options{}.backward);
   EXPECT_EQ(qbl::Options{}.overlap_wgrad, qbl::Choice::by_shape);
-  EXPECT_EQ(qbl::Options{}.bias_from_epilogue, qbl::Choice::by_shape);
 }
 
 static_assert(!std::is_copy_constructible_v<Layer> && !std::is_copy_assignable_v<Layer>);
@@ -127,74 +126,134 @@ struct Problem {
   }
 };
 
-struct Case {
-  std::int64_t tokens, in, out;
+// ---- every supported type triple and shape ----------------------------------------------------
+
+/// A layer shape: in_features, out_features, bias or none, the element offset of every pointer
+/// (1: cuBLASLt refuses 16-bit pointers aligned to 2 bytes and the fallback kernel runs), and the
+/// token counts a test runs it at, one forward each through one instance planned for 2049.
+struct Shape {
+  std::int64_t in, out;
   std::size_t offset;
   bool bias;
+  std::vector<std::int64_t> tokens;
 };
 
-void PrintTo(const Case& c, std::ostream* os) {
-  *os << "tokens=" << c.tokens << " in=" << c.in << " out=" << c.out << " offset=" << c.offset
-      << " bias=" << c.bias;
+void PrintTo(const Shape& s, std::ostream* os) {
+  *os << "in=" << s.in << " out=" << s.out << " offset=" << s.offset << " bias=" << s.bias
+      << " tokens=";
+  for (std::size_t i = 0; i < s.tokens.size(); ++i) *os << (i ? "," : "") << s.tokens[i];
 }
 
-class QuantBlendLinearDevice : public ::testing::TestWithParam<Case> {};
+std::string shape_name(const Shape& s) {
+  return "in" + std::to_string(s.in) + "_out" + std::to_string(s.out) + "_off" +
+         std::to_string(s.offset) + (s.bias ? "_bias" : "_nobias");
+}
 
-TEST_P(QuantBlendLinearDevice, MixedIsExactAndOutMatchesFloat64) {
+std::vector<Shape> shapes() {
+  const std::vector<std::int64_t> sweep = {1, 3, 7, 65, 217, 2047, 2049};
+  return {
+      {256, 256, 0, true, sweep},  {96, 40, 1, true, sweep},
+      {65, 217, 0, false, sweep},   // odd in_features: no 16-bit cuBLASLt algorithm
+      {1024, 1024, 0, true, {8}},   // the single-launch prologue
+      {512, 512, 1, true, {2049}},  // misaligned, the two-kernel prologue
+      {256, 256, 1, true, {7}},    {256, 256, 0, false, {217}},
+      {1024, 64, 0, false, {217}}, {45, 35, 0, true, {36}},
+      {45, 64, 1, false, {300}},   {3, 1, 0, true, {5}},
+  };
+}
+
+/// One forward per token count of the shape through one QuantBlendLinear<X, G, L>, on fresh
+/// inputs of the triple's types: mixed bit for bit eager's (mixed.to(G) of the blend in X under
+/// autocast), amax and scale eager's, every element of out written and within the G-typed GEMM's
+/// bound of the float64 product of that mixed, on cuBLASLt or on the fallback kernel; and the same
+/// inputs again give the same bits.
+template <typename Types>
+void run_shape(const Shape& sh, std::uint64_t seed) {
+  using X = typename Types::x_type;
+  using G = typename Types::gemm_type;
+  using L = typename Types::logits_type;
+  const qbl_test::TypeTriple tt = qbl_test::triple_of<Types>();
+  const std::size_t off = sh.offset;
+  qbl::QuantBlendLinear<X, G, L> layer(sh.in, sh.out, 2049);
+  int fallback = 0;
+  for (const std::int64_t tokens : sh.tokens) {
+    SCOPED_TRACE("tokens " + std::to_string(tokens));
+    const std::uint64_t s = seed + static_cast<std::uint64_t>(tokens);
+    const auto nx = static_cast<std::size_t>(tokens * sh.in);
+    const auto ny = static_cast<std::size_t>(tokens * sh.out);
+    const std::vector<float> x = qbl_test::widen(qbl_test::convert<X>(qbl_test::randn(nx, s)));
+    const std::vector<float> l =
+        qbl_test::widen(qbl_test::convert<L>(qbl_test::randn(tokens, s + 1, 2.0f)));
+    const std::vector<float> w = qbl_test::widen(qbl_test::convert<G>(qbl_test::randn(
+        static_cast<std::size_t>(sh.out * sh.in), s + 2, 1.0f / std::sqrt(float(sh.in)))));
+    const std::vector<float> b =
+        qbl_test::widen(qbl_test::convert<G>(qbl_test::randn(sh.out, s + 3)));
+    qbl_test::DeviceArray<X> dx(nx + off);
+    qbl_test::DeviceArray<L> dl(l.size() + off);
+    qbl_test::DeviceArray<G> dw(w.size() + off), db(b.size() + off), dout(ny + off);
+    qbl_test::DeviceArray<float> dalpha(l.size());
+    QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(off), qbl_test::convert<X>(x)));
+    QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(off), qbl_test::convert<L>(l)));
+    QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(off), qbl_test::convert<G>(w)));
+    QBL_ASSERT_CUDA(qbl_test::to_device(db.get(off), qbl_test::convert<G>(b)));
+    QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, dout.size() * sizeof(G)));
+    const G* bias = sh.bias ? db.get(off) : nullptr;
+    layer.forward(dx.get(off), dl.get(off), dw.get(off), bias, dout.get(off), tokens);
+    typename qbl::QuantBlendLinear<X, G, L>::ForwardArguments args;
+    args.weight = dw.get(off), args.bias = bias, args.out = dout.get(off), args.tokens = tokens;
+    fallback += !layer.uses_cublaslt(args);
+    qbl_test::device_sigmoid_t<L>
+        <<<static_cast<unsigned>((tokens + 255) / 256), 256>>>(dl.get(off), dalpha.get(), tokens);
+    QBL_ASSERT_CUDA(cudaGetLastError());
+    std::vector<float> alpha(l.size()), stats(2);
+    std::vector<G> mixed(nx), out(ny);
+    QBL_ASSERT_CUDA(qbl_test::to_host(alpha, dalpha.get()));
+    QBL_ASSERT_CUDA(qbl_test::to_host(mixed, layer.device_mixed()));
+    QBL_ASSERT_CUDA(qbl_test::to_host(out, dout.get(off)));
+    QBL_ASSERT_CUDA(
+        cudaMemcpy(stats.data(), layer.device_amax(), 2 * sizeof(float), cudaMemcpyDeviceToHost));
+    float amax = 0, scale = 0;
+    const std::vector<float> want_mixed =
+        qbl_test::reference_mixed(tt.x, tt.logits, tt.gemm, x, alpha, tokens, sh.in, &amax, &scale);
+    EXPECT_EQ(bits(stats[0]), bits(amax)) << "amax";
+    EXPECT_EQ(bits(stats[1]), bits(scale)) << "scale";
+    EXPECT_TRUE(
+        qbl_test::bits_equal(qbl_test::widen(mixed), want_mixed, static_cast<std::size_t>(sh.in)))
+        << "mixed";
+    ASSERT_TRUE(qbl_test::all_written(out, "out"));
+    const std::vector<float> got = qbl_test::widen(out);
+    for (std::size_t i = 0; i < got.size(); ++i) ASSERT_FALSE(std::isnan(got[i])) << "out " << i;
+    EXPECT_TRUE(qbl_test::within_dot_bounds(
+        qbl_test::GemmArithmetic::of(tt.gemm), sh.in + (sh.bias ? 1 : 0), got,
+        qbl_test::linear_values(want_mixed, w, sh.bias ? b.data() : nullptr, tokens, sh.in, sh.out),
+        "out", qbl_test::max_finite(tt.gemm)));
+    // Same inputs, same bits.
+    QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, dout.size() * sizeof(G)));
+    layer.forward(dx.get(off), dl.get(off), dw.get(off), bias, dout.get(off), tokens);
+    std::vector<G> again(ny);
+    QBL_ASSERT_CUDA(qbl_test::to_host(again, dout.get(off)));
+    EXPECT_TRUE(qbl_test::bits_equal(qbl_test::widen(again), got)) << "a repeated forward";
+  }
+  std::printf("[ %s %s ] token counts on the fallback GEMM: %d of %zu\n",
+              qbl_test::types_name(tt).c_str(), shape_name(sh).c_str(), fallback, sh.tokens.size());
+}
+
+class QuantBlendLinearDevice : public ::testing::TestWithParam<qbl_test::Typed<Shape>> {};
+
+TEST_P(QuantBlendLinearDevice, MixedIsExactAndOutWithinTheGemmBound) {
   QBL_REQUIRE_GPU();
-  const auto [tokens, in, out, offset, bias] = GetParam();
   const std::uint64_t seed = qbl_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  Problem p(tokens, in, out, offset, bias, seed);
-  QBL_ASSERT_CUDA(p.upload());
-  Layer layer(in, out, 2049);
-  p.forward(layer);
-  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-
-  const std::vector<float> want_mixed = p.reference_mixed();
-  std::vector<float> mixed(want_mixed.size());
-  QBL_ASSERT_CUDA(qbl_test::to_host(mixed, layer.device_mixed()));
-  EXPECT_TRUE(qbl_test::bits_equal(mixed, want_mixed, static_cast<std::size_t>(in)));
-
-  const std::vector<float> got = p.result();
-  for (std::size_t i = 0; i < got.size(); ++i)
-    ASSERT_NE(bits(got[i]), poison_bits) << "unwritten " << i;
-  EXPECT_TRUE(qbl_test::within_dot_bounds(
-      qbl_test::GemmArithmetic::of(qbl_test::DType::fp32), in + (bias ? 1 : 0), got,
-      qbl_test::linear_values(want_mixed, p.w, bias ? p.b.data() : nullptr, tokens, in, out),
-      "out"));
-
-  std::vector<float> scale(1);
-  QBL_ASSERT_CUDA(qbl_test::to_host(scale, layer.device_scale()));
-  EXPECT_EQ(bits(scale[0]),
-            bits(qbl_test::reference_scale(qbl_test::DType::fp32, qbl_test::reference_amax(p.x))));
-
-  // Same inputs, same bits.
-  QBL_ASSERT_CUDA(p.poison_out());
-  p.forward(layer);
-  EXPECT_TRUE(qbl_test::bits_equal(p.result(), got));
+  const auto& c = GetParam();
+  ASSERT_TRUE(
+      qbl_test::with_types(c.types, [&](auto t) { run_shape<decltype(t)>(c.shape, seed); }));
 }
 
-std::vector<Case> cases() {
-  std::vector<Case> c;
-  for (std::int64_t t : {1, 3, 7, 65, 217, 2047, 2049}) {
-    c.push_back({t, 256, 256, 0, true});
-    c.push_back({t, 96, 40, 1, true});
-    c.push_back({t, 65, 217, 0, false});
-  }
-  c.push_back({8, 1024, 1024, 0, true});   // the single-launch prologue
-  c.push_back({2049, 512, 512, 1, true});  // misaligned, two-stage prologue
-  return c;
-}
+INSTANTIATE_TEST_SUITE_P(Shapes, QuantBlendLinearDevice,
+                         ::testing::ValuesIn(qbl_test::over_supported_types(shapes())),
+                         qbl_test::TypedName{});
 
-INSTANTIATE_TEST_SUITE_P(Shapes, QuantBlendLinearDevice, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& i) {
-                           return "t" + std::to_string(i.param.tokens) + "_in" +
-                                  std::to_string(i.param.in) + "_out" +
-                                  std::to_string(i.param.out) + "_off" +
-                                  std::to_string(i.param.offset) +
-                                  (i.param.bias ? "_bias" : "_nobias");
-                         });
+// ---- fp32: non-finite inputs, arguments, moves, graphs ------------------------------------
 
 class QuantBlendLinearFixture : public ::testing::Test {
  protected:
@@ -321,88 +380,7 @@ TEST_F(QuantBlendLinearFixture, GraphReplayGivesTheSameBits) {
   cudaStreamDestroy(s);
 }
 
-}  // namespace
-
-// ---- bf16, fp16 and TF32 -------------------------------------------------------------------
-
-namespace {
-
-using qbl_test::device_sigmoid_t;
-
-template <typename T>
-class QuantBlendLinear16 : public ::testing::Test {};
-using qbl_test::Names16;
-using qbl_test::Types16;
-TYPED_TEST_SUITE(QuantBlendLinear16, Types16, Names16);
-
-// Shapes with an even in_features run on cuBLASLt; an odd in_features (45), and pointers at an odd
-// element offset where cuBLASLt refuses them, run on the fallback kernel: both must give eager's
-// mixed and an out as accurate as the dtype allows.
-TYPED_TEST(QuantBlendLinear16, MixedIsExactAndOutWithinTolerance) {
-  QBL_REQUIRE_GPU();
-  using T = TypeParam;
-  const std::uint64_t seed = qbl_test::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  struct Shape {
-    std::int64_t tokens, in, out;
-    std::size_t offset;
-    bool bias;
-  };
-  int fallback = 0;
-  for (const Shape sh :
-       {Shape{1, 256, 256, 0, true}, Shape{7, 256, 256, 1, true}, Shape{2049, 256, 256, 0, true},
-        Shape{217, 256, 256, 0, false}, Shape{36, 45, 35, 0, true}, Shape{300, 45, 64, 1, false},
-        Shape{5, 3, 1, 0, true}}) {
-    SCOPED_TRACE("tokens " + std::to_string(sh.tokens) + " in " + std::to_string(sh.in) + " out " +
-                 std::to_string(sh.out) + " offset " + std::to_string(sh.offset));
-    qbl::QuantBlendLinear<T> layer(sh.in, sh.out, 2049);
-    const std::vector<float> xf =
-        qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.tokens * sh.in, seed)));
-    const std::vector<float> lf =
-        qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.tokens, seed + 1, 2.0f)));
-    const std::vector<float> wf =
-        qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.out * sh.in, seed + 2, 0.0625f)));
-    const std::vector<float> bf =
-        qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(sh.out, seed + 3)));
-    qbl_test::DeviceArray<T> dx(xf.size() + sh.offset), dl(lf.size() + sh.offset),
-        dw(wf.size() + sh.offset), db(bf.size() + sh.offset), dout(sh.tokens * sh.out + sh.offset);
-    qbl_test::DeviceArray<float> dalpha(sh.tokens);
-    QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(sh.offset), qbl_test::convert<T>(xf)));
-    QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(sh.offset), qbl_test::convert<T>(lf)));
-    QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(sh.offset), qbl_test::convert<T>(wf)));
-    QBL_ASSERT_CUDA(qbl_test::to_device(db.get(sh.offset), qbl_test::convert<T>(bf)));
-    QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, dout.size() * sizeof(T)));
-    const T* bias = sh.bias ? db.get(sh.offset) : nullptr;
-    layer.forward(dx.get(sh.offset), dl.get(sh.offset), dw.get(sh.offset), bias,
-                  dout.get(sh.offset), sh.tokens);
-    typename qbl::QuantBlendLinear<T>::ForwardArguments args;
-    args.weight = dw.get(sh.offset), args.bias = bias, args.out = dout.get(sh.offset);
-    args.tokens = sh.tokens;
-    fallback += !layer.uses_cublaslt(args);
-    device_sigmoid_t<T><<<static_cast<unsigned>((sh.tokens + 255) / 256), 256>>>(
-        dl.get(sh.offset), dalpha.get(), sh.tokens);
-    QBL_ASSERT_CUDA(cudaGetLastError());
-    std::vector<float> alpha(sh.tokens);
-    std::vector<T> mixed(xf.size()), out(sh.tokens * sh.out);
-    QBL_ASSERT_CUDA(qbl_test::to_host(alpha, dalpha.get()));
-    QBL_ASSERT_CUDA(qbl_test::to_host(mixed, layer.device_mixed()));
-    QBL_ASSERT_CUDA(qbl_test::to_host(out, dout.get(sh.offset)));
-    const std::vector<float> want_mixed =
-        qbl_test::reference_mixed(qbl_test::dtype_of<T>(), xf, alpha, sh.tokens, sh.in);
-    EXPECT_TRUE(
-        qbl_test::bits_equal(qbl_test::widen(mixed), want_mixed, static_cast<std::size_t>(sh.in)));
-    const std::vector<float> got = qbl_test::widen(out);
-    for (std::size_t i = 0; i < got.size(); ++i)
-      ASSERT_FALSE(std::isnan(got[i])) << "unwritten or NaN " << i;
-    EXPECT_TRUE(qbl_test::within_dot_bounds(
-        qbl_test::GemmArithmetic::of(qbl_test::dtype_of<T>()), sh.in + (sh.bias ? 1 : 0), got,
-        qbl_test::linear_values(want_mixed, wf, sh.bias ? bf.data() : nullptr, sh.tokens, sh.in,
-                                sh.out),
-        "out"));
-  }
-  std::printf("[ %s ] shapes on the fallback GEMM: %d of 7\n",
-              std::is_same_v<T, __half> ? "fp16" : "bf16", fallback);
-}
+// ---- TF32 ---------------------------------------------------------------------------------
 
 TEST(QuantBlendLinearTf32, AllowTf32RunsTheFastModeWithinItsTolerance) {
   QBL_REQUIRE_GPU();
@@ -426,85 +404,6 @@ TEST(QuantBlendLinearTf32, AllowTf32RunsTheFastModeWithinItsTolerance) {
   // It did run in the reduced-precision mode: TF32's operand rounding shows.
   const auto product = qbl_test::linear_reference(mixed, p.w, p.b.data(), p.tokens, p.in, p.out);
   EXPECT_GT(qbl_test::relative_error(fast, product), 10 * qbl_test::relative_error(slow, product));
-}
-
-}  // namespace
-
-// ---- fp32 activations with a bf16 / fp16 GEMM (PyTorch's autocast) --------------------------
-
-namespace {
-
-template <typename M>
-class QuantBlendLinearMixed : public ::testing::Test {};
-TYPED_TEST_SUITE(QuantBlendLinearMixed, qbl_test::MixedTypeList, qbl_test::MixedTypeNames);
-
-// fp32 x (and fp32 or 16-bit logits) into a 16-bit GEMM: mixed is eager's mixed.to(G) under
-// autocast bit for bit (the cast fused into the prologue), amax and scale fp32's, and out as
-// accurate as the G-typed GEMM of that mixed allows, on cuBLASLt and on the fallback.
-TYPED_TEST(QuantBlendLinearMixed, MixedIsTheCastBlendAndOutWithinTolerance) {
-  QBL_REQUIRE_GPU();
-  using G = typename TypeParam::gemm;
-  using L = typename TypeParam::logits;
-  using MixedLayer = qbl::QuantBlendLinear<float, G, L>;
-  const qbl_test::DType gt = qbl_test::dtype_of<G>(), lt = qbl_test::dtype_of<L>();
-  const std::uint64_t seed = qbl_test::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  struct Shape {
-    std::int64_t tokens, in, out;
-    std::size_t offset;
-    bool bias;
-  };
-  for (const Shape sh :
-       {Shape{1, 256, 256, 0, true}, Shape{7, 256, 256, 1, true}, Shape{2049, 256, 256, 0, true},
-        Shape{217, 1024, 64, 0, false}, Shape{36, 45, 35, 0, true}}) {
-    SCOPED_TRACE("tokens " + std::to_string(sh.tokens) + " in " + std::to_string(sh.in) + " out " +
-                 std::to_string(sh.out) + " offset " + std::to_string(sh.offset));
-    MixedLayer layer(sh.in, sh.out, 2049);
-    const std::vector<float> x = qbl_test::randn(sh.tokens * sh.in, seed);
-    const std::vector<float> lf =
-        qbl_test::widen(qbl_test::convert<L>(qbl_test::randn(sh.tokens, seed + 1, 2.0f)));
-    const std::vector<float> wf =
-        qbl_test::widen(qbl_test::convert<G>(qbl_test::randn(sh.out * sh.in, seed + 2, 0.0625f)));
-    const std::vector<float> bf =
-        qbl_test::widen(qbl_test::convert<G>(qbl_test::randn(sh.out, seed + 3)));
-    qbl_test::DeviceArray<float> dx(x.size() + sh.offset), dalpha(sh.tokens);
-    qbl_test::DeviceArray<L> dl(lf.size() + sh.offset);
-    qbl_test::DeviceArray<G> dw(wf.size() + sh.offset), db(bf.size() + sh.offset),
-        dout(sh.tokens * sh.out + sh.offset);
-    QBL_ASSERT_CUDA(qbl_test::to_device(dx.get(sh.offset), x));
-    QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(sh.offset), qbl_test::convert<L>(lf)));
-    QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(sh.offset), qbl_test::convert<G>(wf)));
-    QBL_ASSERT_CUDA(qbl_test::to_device(db.get(sh.offset), qbl_test::convert<G>(bf)));
-    QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, dout.size() * sizeof(G)));
-    const G* bias = sh.bias ? db.get(sh.offset) : nullptr;
-    layer.forward(dx.get(sh.offset), dl.get(sh.offset), dw.get(sh.offset), bias,
-                  dout.get(sh.offset), sh.tokens);
-    device_sigmoid_t<L><<<static_cast<unsigned>((sh.tokens + 255) / 256), 256>>>(
-        dl.get(sh.offset), dalpha.get(), sh.tokens);
-    QBL_ASSERT_CUDA(cudaGetLastError());
-    std::vector<float> alpha(sh.tokens), stats(2);
-    std::vector<G> mixed(x.size()), out(sh.tokens * sh.out);
-    QBL_ASSERT_CUDA(qbl_test::to_host(alpha, dalpha.get()));
-    QBL_ASSERT_CUDA(qbl_test::to_host(mixed, layer.device_mixed()));
-    QBL_ASSERT_CUDA(qbl_test::to_host(out, dout.get(sh.offset)));
-    QBL_ASSERT_CUDA(
-        cudaMemcpy(stats.data(), layer.device_amax(), 2 * sizeof(float), cudaMemcpyDeviceToHost));
-    float amax = 0, scale = 0;
-    const std::vector<float> want_mixed = qbl_test::reference_mixed(
-        qbl_test::DType::fp32, lt, gt, x, alpha, sh.tokens, sh.in, &amax, &scale);
-    EXPECT_EQ(bits(stats[0]), bits(amax));
-    EXPECT_EQ(bits(stats[1]), bits(scale));
-    EXPECT_TRUE(
-        qbl_test::bits_equal(qbl_test::widen(mixed), want_mixed, static_cast<std::size_t>(sh.in)));
-    const std::vector<float> got = qbl_test::widen(out);
-    for (std::size_t i = 0; i < got.size(); ++i)
-      ASSERT_FALSE(std::isnan(got[i])) << "unwritten or NaN " << i;
-    EXPECT_TRUE(qbl_test::within_dot_bounds(
-        qbl_test::GemmArithmetic::of(gt), sh.in + (sh.bias ? 1 : 0), got,
-        qbl_test::linear_values(want_mixed, wf, sh.bias ? bf.data() : nullptr, sh.tokens, sh.in,
-                                sh.out),
-        "out"));
-  }
 }
 
 }  // namespace

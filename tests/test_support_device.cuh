@@ -1,14 +1,24 @@
-// Device-side helpers shared by the GPU tests, and the type lists of the typed tests: the 16-bit
-// types, and fp32 x with a 16-bit GEMM (PyTorch's autocast).
+// Device-side helpers shared by the GPU tests, and the type lists their suites are parameterized
+// by: the 16-bit element types, and the layer's type triples taken from the library's one list,
+// qbl::SupportedTypes (qbl/types.hpp) -- as ::testing::Types for a typed test, and as values for
+// a suite over (type triple x shape) whose test body dispatches on the triple at run time. Either
+// way a generated test is named by its types: "fp32", "bf16", "fp16" for one type throughout,
+// "fp32_to_bf16_logits_fp32" and the like for fp32 x with a 16-bit GEMM (PyTorch's autocast).
 #pragma once
 
 #include <qbl/element_math.cuh>
+#include <qbl/types.hpp>
+
+#include "reference.hpp"
+#include "test_support.hpp"
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <ostream>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace qbl_test {
 
@@ -20,6 +30,8 @@ __global__ void device_sigmoid_t(const T* l, float* alpha, std::int64_t n) {
   if (i < n) alpha[i] = qbl::sigmoid<T>(static_cast<float>(l[i]));
 }
 
+// ---- element types ----------------------------------------------------------------------------
+
 using Types16 = ::testing::Types<__nv_bfloat16, __half>;
 
 /// "bf16" / "fp16" in the generated test names.
@@ -30,27 +42,118 @@ struct Names16 {
   }
 };
 
-/// fp32 x with GEMM type G and logits type L, as a layer under torch.autocast gets them.
-template <typename G, typename L>
-struct MixedTypes {
-  using gemm = G;
-  using logits = L;
-};
-using MixedTypeList =
-    ::testing::Types<MixedTypes<__nv_bfloat16, float>, MixedTypes<__nv_bfloat16, __nv_bfloat16>,
-                     MixedTypes<__half, float>, MixedTypes<__half, __half>>;
+// ---- the layer's type triples -----------------------------------------------------------------
 
-/// "fp32_to_bf16_logits_fp32" and the like in the generated test names.
-struct MixedTypeNames {
-  template <typename T>
-  static const char* name() {
-    return std::is_same_v<T, float> ? "fp32" : std::is_same_v<T, __half> ? "fp16" : "bf16";
+/// A triple's element types as values: x's, the GEMM's, the logits'.
+struct TypeTriple {
+  DType x = DType::fp32, gemm = DType::fp32, logits = DType::fp32;
+  bool operator==(const TypeTriple& o) const {
+    return x == o.x && gemm == o.gemm && logits == o.logits;
   }
-  template <typename M>
+  bool one_type() const { return x == gemm && x == logits; }
+};
+
+/// The triple of a qbl::LayerTypes<X, G, L>.
+template <typename T>
+constexpr TypeTriple triple_of() {
+  return {dtype_of<typename T::x_type>(), dtype_of<typename T::gemm_type>(),
+          dtype_of<typename T::logits_type>()};
+}
+
+/// "fp32", "bf16", "fp16" for one type throughout; "fp32_to_bf16_logits_fp32" for fp32 x with a
+/// bf16 GEMM and fp32 logits, and so on.
+inline std::string types_name(const TypeTriple& t) {
+  if (t.one_type()) return dtype_name(t.x);
+  return std::string(dtype_name(t.x)) + "_to_" + dtype_name(t.gemm) + "_logits_" +
+         dtype_name(t.logits);
+}
+
+template <typename List>
+struct AsGtestTypes;
+template <typename... T>
+struct AsGtestTypes<qbl::TypeList<T...>> {
+  using type = ::testing::Types<T...>;
+};
+
+/// qbl::SupportedTypes as ::testing::Types: TYPED_TEST_SUITE(Suite, SupportedTypes,
+/// SupportedTypeNames), each TypeParam a qbl::LayerTypes<X, G, L>.
+using SupportedTypes = AsGtestTypes<qbl::SupportedTypes>::type;
+
+struct SupportedTypeNames {
+  template <typename T>
   static std::string GetName(int) {
-    return std::string("fp32_to_") + name<typename M::gemm>() + "_logits_" +
-           name<typename M::logits>();
+    return types_name(triple_of<T>());
   }
 };
+
+/// qbl::SupportedTypes as values, in its order.
+inline std::vector<TypeTriple> supported_triples() {
+  std::vector<TypeTriple> v;
+  qbl::for_each_type(qbl::SupportedTypes{}, [&](auto t) { v.push_back(triple_of<decltype(t)>()); });
+  return v;
+}
+
+/// Calls f(qbl::LayerTypes<X, G, L>{}) for the supported triple that `t` names; false where none
+/// does. f is instantiated for every supported triple.
+template <typename F>
+bool with_types(const TypeTriple& t, F&& f) {
+  bool found = false;
+  qbl::for_each_type(qbl::SupportedTypes{}, [&](auto types) {
+    if (!found && triple_of<decltype(types)>() == t) {
+      found = true;
+      f(types);
+    }
+  });
+  return found;
+}
+
+/// One case of a suite over (type triple x shape).
+template <typename Shape>
+struct Typed {
+  TypeTriple types;
+  Shape shape;
+};
+
+/// Every supported triple with every shape, the triples outermost: a suite's cases.
+template <typename Shape>
+std::vector<Typed<Shape>> over_supported_types(const std::vector<Shape>& shapes) {
+  std::vector<Typed<Shape>> v;
+  for (const TypeTriple& t : supported_triples())
+    for (const Shape& s : shapes) v.push_back({t, s});
+  return v;
+}
+
+template <typename Shape>
+void PrintTo(const Typed<Shape>& c, std::ostream* os) {
+  *os << types_name(c.types) << " " << ::testing::PrintToString(c.shape);
+}
+
+/// The generated test name "<types>_<shape>": the shape's part is shape_name(shape), a function
+/// beside the test's Shape type (found by argument-dependent lookup).
+struct TypedName {
+  template <typename Shape>
+  std::string operator()(const ::testing::TestParamInfo<Typed<Shape>>& i) const {
+    return types_name(i.param.types) + "_" + shape_name(i.param.shape);
+  }
+};
+
+/// Does the element still hold the poison (every byte qbl_test::poison_byte: never written)?
+template <typename T>
+bool is_poison(const T& v) {
+  const auto* b = reinterpret_cast<const unsigned char*>(&v);
+  for (std::size_t k = 0; k < sizeof(T); ++k)
+    if (b[k] != poison_byte) return false;
+  return true;
+}
+
+/// Does every element of `v` differ from the poison? For bf16 and fp16 the widened poison is a
+/// NaN that bits_equal accepts as any other NaN: this tells an unwritten element from a computed
+/// NaN.
+template <typename T>
+::testing::AssertionResult all_written(const std::vector<T>& v, const char* what) {
+  for (std::size_t i = 0; i < v.size(); ++i)
+    if (is_poison(v[i])) return ::testing::AssertionFailure() << what << " unwritten at " << i;
+  return ::testing::AssertionSuccess();
+}
 
 }  // namespace qbl_test

@@ -12,7 +12,7 @@ graphs over at most 64 of them, a barrier before each batch so that the ranks st
 collectives together):
 - local_amax: torch.ops.qbl.local_amax on the shard
 - all_reduce: qbl.all_reduce_amax, the integer MAX all-reduce of amax's bits (4 bytes)
-- from_amax: torch.ops.qbl.forward_from_amax on the shard
+- from_stats: torch.ops.qbl.forward on the shard with the reduced stats given (amax from stats[0])
 - sharded: the three in a row, and sharded graph: the same replayed from a CUDA graph
 - unsharded: torch.ops.qbl.forward on the same shard, and its graph (no communication: what the
   sharded forward costs beyond it is the price of one amax over every rank)
@@ -86,8 +86,8 @@ def variants(xs, ls, w, bias):
     stats = [torch.ops.qbl.local_amax(x) for x in xs]
 
     def sharded(i):
-        amax = qbl.all_reduce_amax(torch.ops.qbl.local_amax(xs[i]))
-        return torch.ops.qbl.forward_from_amax(xs[i], ls[i], w, bias, amax)
+        reduced = qbl.all_reduce_amax(torch.ops.qbl.local_amax(xs[i]))
+        return torch.ops.qbl.forward(xs[i], ls[i], w, bias, reduced)
 
     def unsharded(i):
         return torch.ops.qbl.forward(xs[i], ls[i], w, bias)
@@ -111,7 +111,7 @@ def variants(xs, ls, w, bias):
     return {
         "local_amax": lambda i: torch.ops.qbl.local_amax(xs[i]),
         "all_reduce": lambda i: qbl.all_reduce_amax(stats[i]),
-        "from_amax": lambda i: torch.ops.qbl.forward_from_amax(xs[i], ls[i], w, bias, stats[i]),
+        "from_stats": lambda i: torch.ops.qbl.forward(xs[i], ls[i], w, bias, stats[i]),
         "sharded": sharded,
         "unsharded": unsharded,
         "sharded graph": graphs(sharded),

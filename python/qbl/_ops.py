@@ -1,5 +1,6 @@
 """Fake implementations of the torch.ops.qbl operators, and the functional form. The operators,
-their autograd formula and their autocast behaviour are registered in C++ (csrc/qbl_torch.cu)."""
+their autograd formula and their autocast behaviour are registered in C++ (csrc/: ops.cpp holds
+the schema)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,18 @@ __all__ = ["quant_blend_linear", "all_reduce_amax", "clear_cache", "cache_info"]
 
 
 @torch.library.register_fake("qbl::forward")
-def _forward_fake(x, logits, weight, bias, straight_through=False, allow_tf32=False,
+def _forward_fake(x, logits, weight, bias, stats=None, straight_through=False, allow_tf32=False,
                   gemm_dtype=None):
     g = gemm_dtype if gemm_dtype is not None else x.dtype
     out = x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=g)
     mixed = x.new_empty(x.shape, dtype=g)
-    stats = x.new_empty((2,), dtype=torch.float32)
-    return out, mixed, stats
+    stats_out = x.new_empty((2,), dtype=torch.float32)
+    return out, mixed, stats_out
 
 
 @torch.library.register_fake("qbl::local_amax")
 def _local_amax_fake(x):
     return x.new_empty((2,), dtype=torch.float32)
-
-
-@torch.library.register_fake("qbl::forward_from_amax")
-def _forward_from_amax_fake(x, logits, weight, bias, amax, straight_through=False,
-                            allow_tf32=False, gemm_dtype=None):
-    return _forward_fake(x, logits, weight, bias, straight_through, allow_tf32, gemm_dtype)
 
 
 @torch.library.register_fake("qbl::backward")
@@ -77,18 +72,20 @@ def quant_blend_linear(x: torch.Tensor, logits: torch.Tensor, weight: torch.Tens
     the reduced one). The backward needs no communication for amax, which is detached.
     """
     if process_group is None and amax_reduce is None:
-        return torch.ops.qbl.forward(x, logits, weight, bias, straight_through, allow_tf32)[0]
+        return torch.ops.qbl.forward(x, logits, weight, bias, None, straight_through,
+                                     allow_tf32)[0]
     if amax_reduce is None:
         def amax_reduce(stats):
             return all_reduce_amax(stats, process_group)
-    amax = amax_reduce(torch.ops.qbl.local_amax(x.detach()))  # amax is detached, as in the module
-    return torch.ops.qbl.forward_from_amax(x, logits, weight, bias, amax, straight_through,
-                                           allow_tf32)[0]
+    # stats is detached, as the reference module's amax.
+    stats = amax_reduce(torch.ops.qbl.local_amax(x.detach()))
+    return torch.ops.qbl.forward(x, logits, weight, bias, stats, straight_through, allow_tf32)[0]
 
 
 def clear_cache() -> None:
-    """Synchronizes the devices that hold qbl layers and frees every cached layer's plans. The
-    next call plans again. Not to be called while another thread runs qbl."""
+    """Synchronizes the devices that hold qbl layers and frees every cached layer's plans (and
+    the side streams on which backwards run wgrad beside dgrad, one per calling stream). The next
+    call plans again. Not to be called while another thread runs qbl."""
     torch.ops.qbl.clear_cache()
 
 

@@ -1,10 +1,11 @@
-"""Sharded x: torch.ops.qbl.local_amax + torch.ops.qbl.forward_from_amax around a reduction of
-amax's bits. On one GPU: the split equals the fused forward bit for bit (out, mixed, stats and
-every gradient); shards along the tokens and along the features, reduced with an integer max of
-the bits, give the unsharded layer's `mixed` bit for bit (NaN in one shard included); the
-process_group path through a one-rank NCCL group. On two or more GPUs: one process per GPU, x
-sharded along the tokens or the features, amax all-reduced through NCCL, called directly and
-replayed from a CUDA graph: `mixed` and [amax, scale] bit-equal to one GPU's on the whole x."""
+"""Sharded x: torch.ops.qbl.local_amax, a reduction of amax's bits, then torch.ops.qbl.forward
+with the reduced stats. On one GPU: the split equals the fused forward bit for bit (out, mixed,
+stats and every gradient); shards along the tokens and along the features, reduced with an
+integer max of the bits, give the unsharded layer's `mixed` bit for bit (NaN in one shard
+included); the process_group path through a one-rank NCCL group. On two or more GPUs: one process
+per GPU, x sharded along the tokens or the features, amax all-reduced through NCCL, called
+directly and replayed from a CUDA graph: `mixed` and [amax, scale] bit-equal to one GPU's on the
+whole x."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_split_equals_fused_forward_and_backward(dtype):
         H.assert_bits_equal(getattr(got, name), getattr(want, name), f"split vs fused: {name}")
     out_f, mixed_f, stats_f = torch.ops.qbl.forward(x, l, w, b)
     local = torch.ops.qbl.local_amax(x)
-    out_s, mixed_s, stats_s = torch.ops.qbl.forward_from_amax(x, l, w, b, local)
+    out_s, mixed_s, stats_s = torch.ops.qbl.forward(x, l, w, b, local)
     H.assert_bits_equal(local[0], stats_f[0], "local_amax vs the fused forward's amax")
     H.assert_bits_equal(stats_s, stats_f, "stats")
     H.assert_bits_equal(mixed_s, mixed_f, "mixed")
@@ -62,8 +63,8 @@ def test_shards_equal_the_unsharded_layer(dtype, nan, axis):
         cuts = [(slice(None), slice(0, 40)), (slice(None), slice(40, 128))]
     shards = [(x[r, c].contiguous(), l[r].contiguous(), w[:, c].contiguous()) for r, c in cuts]
     reduced = _bits_max([torch.ops.qbl.local_amax(xs) for xs, _, _ in shards])
-    for (r, c), (xs, ls, ws), amax in zip(cuts, shards, reduced):
-        _, mixed, stats = torch.ops.qbl.forward_from_amax(xs, ls, ws, b, amax)
+    for (r, c), (xs, ls, ws), shard_stats in zip(cuts, shards, reduced):
+        _, mixed, stats = torch.ops.qbl.forward(xs, ls, ws, b, shard_stats)
         H.assert_bits_equal(mixed, mixed_whole[r, c], f"{axis} shard {r, c}: mixed")
         H.assert_bits_equal(stats, stats_whole, f"{axis} shard {r, c}: [amax, scale]")
     if nan:
@@ -75,7 +76,7 @@ def test_shards_equal_the_unsharded_layer(dtype, nan, axis):
 def test_opcheck_sharded_ops(dtype):
     x, l, w, b = H.make_inputs((3, 5), 32, 24, dtype, seed=320)
     for op, args in ((torch.ops.qbl.local_amax.default, (x.detach().clone().requires_grad_(),)),
-                     (torch.ops.qbl.forward_from_amax.default,
+                     (torch.ops.qbl.forward.default,
                       tuple(t.requires_grad_() for t in (x, l, w, b))
                       + (torch.ops.qbl.local_amax(x.detach()),))):
         result = torch.library.opcheck(op, args, raise_exception=False)
@@ -144,8 +145,8 @@ def shard(x, l, w):
 
 
 def sharded_forward(xs, ls, ws):
-    amax = qbl.all_reduce_amax(torch.ops.qbl.local_amax(xs))
-    return torch.ops.qbl.forward_from_amax(xs, ls, ws, None, amax)
+    stats = qbl.all_reduce_amax(torch.ops.qbl.local_amax(xs))
+    return torch.ops.qbl.forward(xs, ls, ws, None, stats)
 
 
 seeds = [340, 341, 342, 343]

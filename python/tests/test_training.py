@@ -1,6 +1,7 @@
 """qbl as training uses it: under torch.autocast (values, dtypes, gradients, torch.compile, a
-captured training step), the same layer on two streams at once, the host time of a call against
-nn.Linear's, and grad_logits' accuracy against eager's.
+captured training step), the same layer on two streams at once (and on one while a capture on
+the other is open), the host time of a call against nn.Linear's, and grad_logits' accuracy
+against eager's.
 
 The autocast reference is the reference module's arithmetic run by eager under autocast
 (helpers.eager_forward inside torch.autocast): F.linear casts mixed, weight and bias to the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import helpers as H  # first: skips this module cleanly when torch or qbl cannot be imported
 
 import statistics
+import threading
 import time
 
 import pytest
@@ -238,6 +240,70 @@ def test_one_shape_on_two_streams_at_once_equals_serial_runs(dtype):
                                        (serial[k].x, serial[k].logits, serial[k].weight,
                                         serial[k].bias)):
                 H.assert_bits_equal(got, want, f"rep {rep}, stream {k}: grad_{name}")
+
+
+def test_backward_on_another_stream_during_a_capture_equals_serial_runs():
+    """A training call captured into a CUDA graph on one stream while another thread runs the
+    same layer's forward and backward on another stream, after the captured backward and before
+    the capture ends. Each calling stream has its own side stream for wgrad (a side stream shared
+    by the two would still be part of the open capture, and the other thread's wgrad would be
+    captured into the graph or refused). The other thread's results, and the graph's on replay,
+    equal the serial runs of their inputs bit for bit."""
+    dtype = torch.bfloat16
+    shape, n_in, n_out = (8, 256), 384, 192
+    sets = [H.make_inputs(shape, n_in, n_out, dtype, seed=230 + k) for k in range(2)]
+    gs = [H.make_grad_out((*shape, n_out), dtype, seed=232 + k) for k in range(2)]
+    serial = [H.run_autograd(H.qbl_fn(), *sets[k], gs[k]) for k in range(2)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def step(k):
+        leaves = [t.detach().clone().requires_grad_() for t in sets[k]]
+        out = qbl.quant_blend_linear(*leaves)
+        return out.detach(), torch.autograd.grad(out, leaves, gs[k])
+
+    # A first call on each stream makes its side stream (none is made during a capture).
+    for k, s in enumerate(streams):
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step(k)
+    torch.cuda.synchronize()
+
+    captured, other_done, other = threading.Event(), threading.Event(), {}
+
+    def other_thread():
+        try:
+            if not captured.wait(timeout=120):
+                raise TimeoutError("the capture did not reach its backward")
+            with torch.cuda.stream(streams[1]):
+                other["result"] = step(1)
+            streams[1].synchronize()
+        except Exception as e:  # noqa: BLE001 -- reported by the test's thread
+            other["error"] = e
+        finally:
+            other_done.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        # thread_local: the other thread's allocations and synchronization stay legal.
+        with torch.cuda.graph(graph, stream=streams[0], capture_error_mode="thread_local"):
+            captured_out, captured_grads = step(0)
+            captured.set()
+            assert other_done.wait(timeout=120), "the other stream's call did not finish"
+    finally:
+        captured.set()
+        thread.join(timeout=120)
+    assert "error" not in other, f"the other stream's call failed: {other.get('error')!r}"
+    graph.replay()
+    torch.cuda.synchronize()
+    for k, (out, grads) in ((0, (captured_out, captured_grads)), (1, other["result"])):
+        what = "replayed capture" if k == 0 else "other stream during the capture"
+        H.assert_bits_equal(out, serial[k].out, f"{what}: out")
+        for name, got, want in zip(("x", "logits", "weight", "bias"), grads,
+                                   (serial[k].x, serial[k].logits, serial[k].weight,
+                                    serial[k].bias)):
+            H.assert_bits_equal(got, want, f"{what}: grad_{name}")
 
 
 # ---- host time -----------------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+// The forward's kernel for the AutocastCUDA key (xformers' swiglu_packedw.cpp is the model).
+//
+// Under torch.autocast("cuda", dtype=A), eager computes the reference module as
+//   alpha in the logits' dtype L; x_q and the blend in P = promote(X, L); F.linear casting mixed,
+//   weight and bias to A (weight and bias through autocast's cast cache); out in A,
+// the casts recorded by autograd (../reference/autocast.md, checked against eager in the tests).
+// Where P is x's dtype and the logits are fp32 or A -- the combinations qbl computes -- the
+// operator runs with gemm_dtype = A: the prologue writes `mixed` in A (eager's mixed.to(A),
+// bit for bit), weight and bias are cast as F.linear casts them, and their gradients flow back
+// through those casts. Any other combination runs the reference's own ops, so that it too is
+// what eager computes. (torch.library.register_autocast would cast every input to A: not eager's
+// semantics here.)
+
+#include "qbl_torch.h"
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace qbl_torch {
+namespace {
+
+bool fused_under_autocast(ScalarType x, ScalarType logits, ScalarType a) {
+  const ScalarType g = x == at::kFloat ? a : x;
+  return (x == a || x == at::kFloat) && supported({x, g, logits});
+}
+
+/// The straight-through fake quantizer of ModelSTE: its forward, and the identity for backward.
+class FakeQuantSTE : public torch::autograd::Function<FakeQuantSTE> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext*, const Tensor& x, const Tensor& scale) {
+    return at::clamp(at::round(x / scale), -127, 127) * scale;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list g) {
+    return {g[0], Tensor()};
+  }
+};
+
+/// weight and bias cast to the autocast dtype `a` as F.linear casts them (autocast's cast cache).
+std::pair<Tensor, std::optional<Tensor>> cast_parameters(ScalarType a, const Tensor& weight,
+                                                         const std::optional<Tensor>& bias) {
+  Tensor w = at::autocast::cached_cast(a, weight, c10::DeviceType::CUDA);
+  if (!given(bias)) return {w, std::nullopt};
+  return {w, at::autocast::cached_cast(a, *bias, c10::DeviceType::CUDA)};
+}
+
+/// The reference module's forward op by op (autograd records every op): the unfused path. A given
+/// stats gives the amax (stats[0], detached), as the fused operator reads it.
+std::tuple<Tensor, Tensor, Tensor> reference_under_autocast(const Tensor& x, const Tensor& logits,
+                                                            const Tensor& weight,
+                                                            const std::optional<Tensor>& bias,
+                                                            const std::optional<Tensor>& stats,
+                                                            bool straight_through, ScalarType a) {
+  const Tensor alpha = at::sigmoid(logits).unsqueeze(-1);
+  const Tensor raw =
+      given(stats) ? stats->detach().select(0, 0).to(x.scalar_type()) : x.detach().abs().max();
+  const Tensor scale = raw.clamp_min(1e-8) / 127.0;
+  const Tensor x_q = straight_through ? FakeQuantSTE::apply(x, scale)
+                                      : at::clamp(at::round(x / scale), -127, 127) * scale;
+  const Tensor mixed = alpha * x_q + (1.0 - alpha) * x;
+  const auto [w, b] = cast_parameters(a, weight, bias);
+  const Tensor out = at::linear(mixed.to(a), w, b);
+  // [amax before the clamp, scale], as the fused path's stats.
+  const Tensor stats_out = at::stack({raw.to(at::kFloat), scale.detach().to(at::kFloat)});
+  return {out, mixed.detach(), stats_out};
+}
+
+std::tuple<Tensor, Tensor, Tensor> forward_autocast(const Tensor& x, const Tensor& logits,
+                                                    const Tensor& weight,
+                                                    const std::optional<Tensor>& bias,
+                                                    const std::optional<Tensor>& stats,
+                                                    bool straight_through, bool allow_tf32,
+                                                    std::optional<ScalarType> gemm_dtype) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA);
+  const ScalarType a = at::autocast::get_autocast_dtype(at::kCUDA);
+  if (gemm_dtype.has_value() || !x.is_cuda() ||
+      !fused_under_autocast(x.scalar_type(), logits.scalar_type(), a)) {
+    if (gemm_dtype.has_value() || !x.is_floating_point() || !logits.is_floating_point())
+      // Explicit GEMM types (or nothing autocast would touch): as called.
+      return forward_op().call(x, logits, weight, bias, stats, straight_through, allow_tf32,
+                               gemm_dtype);
+    return reference_under_autocast(x, logits, weight, bias, stats, straight_through, a);
+  }
+  const auto [w, b] = cast_parameters(a, weight, bias);
+  const ScalarType g = x.scalar_type() == at::kFloat ? a : x.scalar_type();
+  return forward_op().call(x, logits, w, b, stats, straight_through, allow_tf32, g);
+}
+
+}  // namespace
+}  // namespace qbl_torch
+
+TORCH_LIBRARY_IMPL(qbl, AutocastCUDA, m) { m.impl("forward", &qbl_torch::forward_autocast); }

@@ -1,0 +1,197 @@
+// The process-wide layer cache and side streams (layer_registry.h), clear_cache and cache_info.
+
+#include "layer_registry.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <type_traits>
+#include <utility>
+
+namespace qbl_torch {
+namespace {
+
+// Planning's scratch through torch's caching allocator (on the current device and stream).
+void* torch_allocate(std::size_t bytes, void*) {
+  return c10::cuda::CUDACachingAllocator::raw_alloc(bytes);
+}
+void torch_deallocate(void* p, std::size_t, void*) {
+  c10::cuda::CUDACachingAllocator::raw_delete(p);
+}
+
+std::int64_t capacity_for(std::int64_t tokens) {
+  std::int64_t c = 64;
+  while (c < tokens) c <<= 1;
+  return c;
+}
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return true;  // cannot tell: treat it as capturing
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+/// A backward choice from the environment, read when a layer is planned: "1" yes, "0" no, unset
+/// or empty by shape (the library's rule).
+qbl::Choice env_choice(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return qbl::Choice::by_shape;
+  const std::string s(v);
+  TORCH_CHECK_VALUE(s == "0" || s == "1", "qbl: ", name, "=", s,
+                    " is not a choice; use 1 (yes), 0 (no) or leave it unset (by shape)");
+  return s == "1" ? qbl::Choice::yes : qbl::Choice::no;
+}
+
+qbl::Options plan_options(const LayerKey& key) {
+  qbl::Options o;
+  o.allow_tf32 = key.tf32;
+  o.overlap_wgrad = env_choice("QBL_OVERLAP_WGRAD");
+  o.allocator = {&torch_allocate, &torch_deallocate, nullptr};
+  return o;
+}
+
+bool has_backward(const Layer& l) {
+  return std::visit([](const auto& p) { return p.backward != nullptr; }, l.plans);
+}
+
+// A layer outgrown by a larger token count is retired, not freed: a call on another thread may
+// still be using it (plans are host objects; the work they enqueued owns nothing of theirs).
+// clear() frees retired and live layers and the side streams after synchronizing their devices.
+class Registry {
+ public:
+  static Registry& get() {
+    static auto* r = new Registry();  // never destroyed: no CUDA calls after the runtime is gone
+    return *r;
+  }
+
+  Layer& layer(const LayerKey& key, std::int64_t tokens, bool backward, cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(layers_mutex_);
+    auto it = live_.find(key);
+    Layer* found = it != live_.end() && it->second->capacity >= tokens ? it->second.get() : nullptr;
+    if (found != nullptr && (!backward || has_backward(*found))) return *found;
+    TORCH_CHECK(!capturing(stream), "qbl: planning a layer for ", std::to_string(tokens),
+                " tokens during CUDA graph capture is not possible (planning allocates and "
+                "synchronizes); run the same call once before capturing");
+    // Planning allocates from torch's pool of this stream and works on streams of its own (and
+    // the legacy default stream): let this stream's queued work finish first, so that no block
+    // it frees on the way is still in use. Planning synchronizes anyway.
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const qbl::Options o = plan_options(key);
+    if (found != nullptr) {  // the forward is planned; the backward now too
+      translate([&] {
+        std::visit(
+            [&](auto& p) {
+              using Backward = typename std::decay_t<decltype(p)>::Backward;
+              p.backward =
+                  std::make_unique<Backward>(key.in_features, key.out_features, found->capacity, o);
+            },
+            found->plans);
+      });
+      return *found;
+    }
+    const std::int64_t capacity = capacity_for(tokens);
+    const bool with_backward = backward || (it != live_.end() && has_backward(*it->second));
+    std::unique_ptr<Layer> made;
+    translate([&] {
+      dispatch_layer_types(key.dtypes, [&](auto t) {
+        using P = Plans<decltype(t)>;
+        P p{typename P::Forward(key.in_features, key.out_features, capacity, o), nullptr};
+        if (with_backward) {
+          p.backward = std::make_unique<typename P::Backward>(key.in_features, key.out_features,
+                                                              capacity, o);
+        }
+        made = std::make_unique<Layer>(Layer{key, capacity, AnyPlans(std::move(p))});
+      });
+    });
+    TORCH_INTERNAL_ASSERT(made != nullptr, "qbl: a layer of unsupported dtypes");
+    if (it != live_.end()) {
+      retired_.push_back(std::move(it->second));
+      it->second = std::move(made);
+      return *it->second;
+    }
+    return *live_.emplace(key, std::move(made)).first->second;
+  }
+
+  qbl::SideStream* side_stream(int device, cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(side_streams_mutex_);
+    const auto key = std::make_pair(device, stream);
+    auto it = side_streams_.find(key);
+    if (it != side_streams_.end()) return it->second.get();
+    if (capturing(stream)) return nullptr;
+    std::unique_ptr<qbl::SideStream> made;
+    translate([&] { made = std::make_unique<qbl::SideStream>(); });
+    return side_streams_.emplace(key, std::move(made)).first->second.get();
+  }
+
+  void clear() {
+    std::lock_guard<std::mutex> layers_lock(layers_mutex_);
+    std::lock_guard<std::mutex> side_streams_lock(side_streams_mutex_);
+    std::vector<int> devices;
+    for (const auto& [key, layer] : live_) devices.push_back(key.device);
+    for (const auto& [key, side] : side_streams_) devices.push_back(key.first);
+    std::sort(devices.begin(), devices.end());
+    devices.erase(std::unique(devices.begin(), devices.end()), devices.end());
+    for (const int device : devices) {
+      c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+      C10_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    retired_.clear();
+    live_.clear();
+    side_streams_.clear();
+  }
+
+  std::tuple<std::vector<std::int64_t>, std::vector<std::string>> info() {
+    std::lock_guard<std::mutex> lock(layers_mutex_);
+    std::vector<std::int64_t> numbers;
+    std::vector<std::string> names;
+    for (const auto& [k, layer] : live_) {
+      std::int64_t fwd_ws = 0, bwd_ws = 0;
+      std::visit(
+          [&](const auto& p) {
+            fwd_ws = static_cast<std::int64_t>(p.forward.workspace_bytes());
+            bwd_ws = p.backward ? static_cast<std::int64_t>(p.backward->workspace_bytes()) : 0;
+          },
+          layer->plans);
+      for (std::int64_t v :
+           {std::int64_t{k.device}, k.in_features, k.out_features, std::int64_t{k.tf32},
+            std::int64_t{has_backward(*layer)}, layer->capacity, fwd_ws, bwd_ws})
+        numbers.push_back(v);
+      for (ScalarType t : {k.dtypes.x, k.dtypes.gemm, k.dtypes.logits})
+        names.emplace_back(c10::toString(t));
+    }
+    return {numbers, names};
+  }
+
+ private:
+  std::mutex layers_mutex_;  // live_ and retired_
+  std::map<LayerKey, std::unique_ptr<Layer>> live_;
+  std::vector<std::unique_ptr<Layer>> retired_;
+  std::mutex side_streams_mutex_;  // side_streams_
+  std::map<std::pair<int, cudaStream_t>, std::unique_ptr<qbl::SideStream>> side_streams_;
+};
+
+}  // namespace
+
+Layer& cached_layer(const LayerKey& key, std::int64_t tokens, bool backward, cudaStream_t stream) {
+  return Registry::get().layer(key, tokens, backward, stream);
+}
+
+qbl::SideStream* side_stream(int device, cudaStream_t stream) {
+  return Registry::get().side_stream(device, stream);
+}
+
+void clear_cache() { Registry::get().clear(); }
+
+std::tuple<std::vector<std::int64_t>, std::vector<std::string>> cache_info() {
+  return Registry::get().info();
+}
+
+}  // namespace qbl_torch

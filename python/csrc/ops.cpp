@@ -1,0 +1,49 @@
+// The qbl operators' schema, and the module that registers them. Their kernels: CUDA and CPU
+// (cuda_kernels.cu: the computation, by qbl's plans), Autograd (autograd_kernel.cpp) and
+// AutocastCUDA (autocast_kernel.cpp).
+
+#include "qbl_torch.h"
+
+#include <torch/library.h>
+
+#include <Python.h>
+
+namespace qbl_torch {
+
+const c10::TypedOperatorHandle<ForwardSignature>& forward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("qbl::forward", "").typed<ForwardSignature>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("qbl::backward", "")
+                             .typed<BackwardSignature>();
+  return op;
+}
+
+}  // namespace qbl_torch
+
+TORCH_LIBRARY(qbl, m) {
+  // stats given: the sharded forward's second step -- amax is stats[0] as given (local_amax's,
+  // reduced over the shards), and the returned stats is a copy of it with the scale written.
+  m.def(
+      "forward(Tensor x, Tensor logits, Tensor weight, Tensor? bias, Tensor? stats=None, "
+      "bool straight_through=False, bool allow_tf32=False, ScalarType? gemm_dtype=None) -> "
+      "(Tensor out, Tensor mixed, Tensor stats)");
+  m.def(
+      "backward(Tensor grad_out, Tensor x, Tensor logits, Tensor weight, Tensor mixed, "
+      "Tensor stats, bool has_bias, bool[4] output_mask, bool straight_through=False, "
+      "bool allow_tf32=False) -> (Tensor grad_x, Tensor grad_logits, Tensor grad_weight, "
+      "Tensor grad_bias)");
+  m.def("local_amax(Tensor x) -> Tensor");
+  m.def("clear_cache() -> ()", &qbl_torch::clear_cache);
+  m.def("cache_info() -> (int[], str[])", &qbl_torch::cache_info);
+}
+
+// Importing qbl._C registers the operators; the module itself is empty.
+PyMODINIT_FUNC PyInit__C() {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
