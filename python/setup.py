@@ -44,7 +44,9 @@ setup(
             # One file per concern (csrc/qbl_torch.h says which); the .cpp files need no nvcc.
             sources=["csrc/ops.cpp", "csrc/checks.cpp", "csrc/layer_registry.cu",
                      "csrc/cuda_kernels.cu", "csrc/autograd_kernel.cpp",
-                     "csrc/autocast_kernel.cpp"],
+                     "csrc/autocast_kernel.cpp"]
+            # each activation's plans in a file of its own: they compile in parallel
+            + [f"csrc/plans_{a}.cu" for a in ("identity", "gelu", "gelu_tanh", "relu", "silu")],
             include_dirs=[str(INCLUDE)],
             libraries=["cublasLt"],
             # IEEE arithmetic as the library requires: no fast math, no FMA contraction beyond

@@ -46,13 +46,30 @@ std::pair<Tensor, std::optional<Tensor>> cast_parameters(ScalarType a, const Ten
   return {w, at::autocast::cached_cast(a, *bias, c10::DeviceType::CUDA)};
 }
 
-/// The reference module's forward op by op (autograd records every op): the unfused path. A given
-/// stats gives the amax (stats[0], detached), as the fused operator reads it.
-std::tuple<Tensor, Tensor, Tensor> reference_under_autocast(const Tensor& x, const Tensor& logits,
-                                                            const Tensor& weight,
-                                                            const std::optional<Tensor>& bias,
-                                                            const std::optional<Tensor>& stats,
-                                                            bool straight_through, ScalarType a) {
+/// Eager's activation of x, in x's dtype (no activation is on autocast's lists).
+Tensor activate(const Tensor& x, qbl::Activation act) {
+  switch (act) {
+    case qbl::Activation::gelu:
+      return at::gelu(x);
+    case qbl::Activation::gelu_tanh:
+      return at::gelu(x, "tanh");
+    case qbl::Activation::relu:
+      return at::relu(x);
+    case qbl::Activation::silu:
+      return at::silu(x);
+    case qbl::Activation::identity:
+      break;
+  }
+  return x;
+}
+
+/// Eager's activation, then the reference module's forward op by op (autograd records every op):
+/// the unfused path. A given stats gives the amax (stats[0], detached), as the fused operator
+/// reads it.
+std::tuple<Tensor, Tensor, Tensor> reference_under_autocast(
+    const Tensor& h, const Tensor& logits, const Tensor& weight, const std::optional<Tensor>& bias,
+    const std::optional<Tensor>& stats, qbl::Activation act, bool straight_through, ScalarType a) {
+  const Tensor x = activate(h, act);
   const Tensor alpha = at::sigmoid(logits).unsqueeze(-1);
   const Tensor raw =
       given(stats) ? stats->detach().select(0, 0).to(x.scalar_type()) : x.detach().abs().max();
@@ -67,25 +84,27 @@ std::tuple<Tensor, Tensor, Tensor> reference_under_autocast(const Tensor& x, con
   return {out, mixed.detach(), stats_out};
 }
 
-std::tuple<Tensor, Tensor, Tensor> forward_autocast(const Tensor& x, const Tensor& logits,
-                                                    const Tensor& weight,
-                                                    const std::optional<Tensor>& bias,
-                                                    const std::optional<Tensor>& stats,
-                                                    bool straight_through, bool allow_tf32,
-                                                    std::optional<ScalarType> gemm_dtype) {
+std::tuple<Tensor, Tensor, Tensor> forward_autocast(
+    const Tensor& x, const Tensor& logits, const Tensor& weight, const std::optional<Tensor>& bias,
+    const std::optional<Tensor>& stats, c10::string_view activation, bool keep_mixed,
+    bool straight_through, bool allow_tf32, std::optional<ScalarType> gemm_dtype) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA);
   const ScalarType a = at::autocast::get_autocast_dtype(at::kCUDA);
   if (gemm_dtype.has_value() || !x.is_cuda() ||
       !fused_under_autocast(x.scalar_type(), logits.scalar_type(), a)) {
     if (gemm_dtype.has_value() || !x.is_floating_point() || !logits.is_floating_point())
       // Explicit GEMM types (or nothing autocast would touch): as called.
-      return forward_op().call(x, logits, weight, bias, stats, straight_through, allow_tf32,
-                               gemm_dtype);
-    return reference_under_autocast(x, logits, weight, bias, stats, straight_through, a);
+      return forward_op().call(x, logits, weight, bias, stats, activation, keep_mixed,
+                               straight_through, allow_tf32, gemm_dtype);
+    return reference_under_autocast(x, logits, weight, bias, stats,
+                                    parse_activation("qbl.forward", activation), straight_through,
+                                    a);
   }
+  // The activation runs inside, in x's dtype, as eager's does under autocast.
   const auto [w, b] = cast_parameters(a, weight, bias);
   const ScalarType g = x.scalar_type() == at::kFloat ? a : x.scalar_type();
-  return forward_op().call(x, logits, w, b, stats, straight_through, allow_tf32, g);
+  return forward_op().call(x, logits, w, b, stats, activation, keep_mixed, straight_through,
+                           allow_tf32, g);
 }
 
 }  // namespace

@@ -1,8 +1,9 @@
 // The autograd formula, in C++ (a Python formula costs tens of microseconds per call), as
 // torchvision's csrc/ops/autograd: a torch::autograd::Function whose backward calls the backward
-// operator. The forward saves x, logits, weight, the stats and -- only where grad_weight will read
-// it -- mixed. A given stats (the sharded forward's reduced amax) is detached, as the amax of the
-// reference module.
+// operator. The forward saves x (the activation's input, where there is one), logits, weight, the
+// stats and -- only with keep_mixed and where grad_weight will read it -- mixed; without it the
+// backward recomputes mixed from x and the stats. A given stats (the sharded forward's reduced
+// amax) is detached, as the amax of the reference module.
 
 #include "qbl_torch.h"
 
@@ -34,14 +35,17 @@ class LayerFunction : public torch::autograd::Function<LayerFunction> {
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& logits,
       const Tensor& weight, const std::optional<Tensor>& bias, const std::optional<Tensor>& stats,
-      bool straight_through, bool allow_tf32, std::optional<ScalarType> gemm_dtype) {
+      const std::string& activation, bool keep_mixed, bool straight_through, bool allow_tf32,
+      std::optional<ScalarType> gemm_dtype) {
     at::AutoDispatchBelowADInplaceOrView below;
     auto [out, mixed, stats_out] =
-        forward_op().call(x, logits, weight, bias, stats, straight_through, allow_tf32, gemm_dtype);
+        forward_op().call(x, logits, weight, bias, stats, activation, keep_mixed, straight_through,
+                          allow_tf32, gemm_dtype);
     // (needs_input_grad() is only valid where autograd records this call: `recording`.)
-    const bool need_mixed = recording && ctx->needs_input_grad(2);
+    const bool need_mixed = keep_mixed && recording && ctx->needs_input_grad(2);
     ctx->save_for_backward({x, logits, weight, need_mixed ? mixed : Tensor(), stats_out});
     ctx->saved_data["has_bias"] = given(bias);
+    ctx->saved_data["activation"] = activation;
     ctx->saved_data["straight_through"] = straight_through;
     ctx->saved_data["allow_tf32"] = allow_tf32;
     ctx->mark_non_differentiable({mixed, stats_out});
@@ -57,43 +61,38 @@ class LayerFunction : public torch::autograd::Function<LayerFunction> {
     const Tensor& x = saved[0];
     // out's gradient undefined (out reached no loss): every input's gradient is zero, which
     // autograd writes as undefined.
-    if (!grads[0].defined()) return torch::autograd::variable_list(8);
+    if (!grads[0].defined()) return torch::autograd::variable_list(10);
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     const std::array<bool, 4> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                       ctx->needs_input_grad(2),
                                       has_bias && ctx->needs_input_grad(3)};
     // (Edges exist for defined inputs only: edge 3 is bias's where there is a bias.)
-    // Not saved: grad_weight is not wanted, so the operator does not read mixed; a stand-in of
-    // its shape and dtype that holds one element.
-    const Tensor mixed =
-        saved[3].defined()
-            ? saved[3]
-            : at::empty({1}, x.options().dtype(saved[2].scalar_type())).expand(x.sizes());
+    // Not saved (keep_mixed false, or grad_weight not wanted): None, recomputed where needed.
+    const std::optional<Tensor> mixed =
+        saved[3].defined() ? std::optional<Tensor>(saved[3]) : std::nullopt;
+    const std::string activation = ctx->saved_data["activation"].toStringRef();
     auto [gx, gl, gw, gb] = backward_op().call(
-        grads[0], x, saved[1], saved[2], mixed, saved[4], has_bias, mask,
+        grads[0], x, saved[1], saved[2], mixed, saved[4], has_bias, mask, activation,
         ctx->saved_data["straight_through"].toBool(), ctx->saved_data["allow_tf32"].toBool());
-    return {mask[0] ? gx : Tensor(),
-            mask[1] ? gl : Tensor(),
-            mask[2] ? gw : Tensor(),
-            mask[3] ? gb : Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor()};
+    torch::autograd::variable_list result(10);
+    result[0] = mask[0] ? gx : Tensor();
+    result[1] = mask[1] ? gl : Tensor();
+    result[2] = mask[2] ? gw : Tensor();
+    result[3] = mask[3] ? gb : Tensor();
+    return result;
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor> forward_autograd(const Tensor& x, const Tensor& logits,
-                                                    const Tensor& weight,
-                                                    const std::optional<Tensor>& bias,
-                                                    const std::optional<Tensor>& stats,
-                                                    bool straight_through, bool allow_tf32,
-                                                    std::optional<ScalarType> gemm_dtype) {
+std::tuple<Tensor, Tensor, Tensor> forward_autograd(
+    const Tensor& x, const Tensor& logits, const Tensor& weight, const std::optional<Tensor>& bias,
+    const std::optional<Tensor>& stats, c10::string_view activation, bool keep_mixed,
+    bool straight_through, bool allow_tf32, std::optional<ScalarType> gemm_dtype) {
   const std::optional<Tensor> b = given(bias) ? bias : std::nullopt;
   const std::optional<Tensor> s =
       given(stats) ? std::optional<Tensor>(stats->detach()) : std::nullopt;
   const Recording on(records(x, logits, weight, b));
-  auto r = LayerFunction::apply(x, logits, weight, b, s, straight_through, allow_tf32, gemm_dtype);
+  auto r = LayerFunction::apply(x, logits, weight, b, s, std::string(activation), keep_mixed,
+                                straight_through, allow_tf32, gemm_dtype);
   return {r[0], r[1], r[2]};
 }
 

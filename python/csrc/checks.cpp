@@ -82,4 +82,11 @@ void check_stats(const char* op, const Tensor& stats, const Tensor& x, const cha
               op, ": stats must be ", what, "'s float32 [2] tensor on x's device");
 }
 
+qbl::Activation parse_activation(const char* op, c10::string_view name) {
+  for (int i = 0; i < static_cast<int>(std::size(activation_names)); ++i)
+    if (name == activation_names[i]) return static_cast<qbl::Activation>(i);
+  TORCH_CHECK_VALUE(false, op, ": unknown activation '", std::string(name),
+                    "'; one of none, gelu, gelu_tanh, relu, silu");
+}
+
 }  // namespace qbl_torch

@@ -9,8 +9,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <type_traits>
-
 namespace qbl_torch {
 namespace {
 
@@ -20,15 +18,17 @@ Tensor workspace(std::size_t bytes, const Tensor& like) {
   return at::empty({static_cast<std::int64_t>(bytes)}, like.options().dtype(at::kByte));
 }
 
-// The forward, from x's own amax or (stats given) from stats[0].
+// The forward, from x's own amax or (stats given) from stats[0]; with an activation, of act(x).
 std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& x_in, const Tensor& logits_in,
                                                 const Tensor& weight_in,
                                                 const std::optional<Tensor>& bias_in,
                                                 const std::optional<Tensor>& stats_in,
+                                                c10::string_view activation, bool keep_mixed,
                                                 bool straight_through, bool allow_tf32,
                                                 std::optional<ScalarType> gemm_dtype) {
   constexpr const char* op = "qbl.forward";
-  (void)straight_through;  // the forward is the same; autograd reads it
+  (void)keep_mixed, (void)straight_through;  // the forward is the same; autograd reads them
+  const qbl::Activation act = parse_activation(op, activation);
   const Problem p = check_problem(op, x_in, logits_in, weight_in);
   const Dtypes dtypes = forward_dtypes(op, x_in, logits_in, weight_in, bias_in, gemm_dtype);
   const bool from_stats = given(stats_in);
@@ -48,38 +48,29 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& x_in, const Tensor
   const Tensor x = x_in.contiguous(), logits = logits_in.contiguous(),
                weight = weight_in.contiguous();
   const Tensor bias = has_bias ? bias_in->contiguous() : Tensor();
-  const LayerKey key{x.get_device(), dtypes, p.in_features, p.out_features,
-                     allow_tf32 && dtypes.gemm == at::kFloat};
+  const LayerKey key{x.get_device(), dtypes,         act,
+                     p.in_features,  p.out_features, allow_tf32 && dtypes.gemm == at::kFloat};
   // A forward recording autograd will be followed by a backward: plan both now, at one wait.
   const bool training = recorded_by_autograd() || records(x_in, logits_in, weight_in, bias_in);
-  Layer& layer = cached_layer(key, p.tokens, training, stream);
-  translate([&] {
-    std::visit(
-        [&](const auto& plans) {
-          using Plan = std::decay_t<decltype(plans.forward)>;
-          using X = typename Plan::x_type;
-          using G = typename Plan::gemm_type;
-          using L = typename Plan::logits_type;
-          typename Plan::Arguments a;
-          a.x = const_data<X>(x), a.logits = const_data<L>(logits);
-          a.weight = const_data<G>(weight), a.bias = const_data<G>(bias);
-          a.out = mutable_data<G>(out), a.mixed = mutable_data<G>(mixed);
-          a.stats = stats.mutable_data_ptr<float>();
-          a.tokens = p.tokens;
-          a.amax_source = from_stats ? qbl::AmaxSource::stats : qbl::AmaxSource::x;
-          const Tensor ws = workspace(plans.forward.workspace_bytes(), x);
-          plans.forward.run(a, ws.mutable_data_ptr(), stream);
-        },
-        layer.plans);
-  });
+  const Layer& layer = cached_layer(key, p.tokens, training, stream);
+  ForwardCall c;
+  c.x = x.const_data_ptr(), c.logits = logits.const_data_ptr(), c.weight = weight.const_data_ptr();
+  c.bias = has_bias ? bias.const_data_ptr() : nullptr;
+  c.out = out.mutable_data_ptr(), c.mixed = mixed.mutable_data_ptr();
+  c.stats = stats.mutable_data_ptr<float>();
+  c.tokens = p.tokens;
+  c.amax_source = from_stats ? qbl::AmaxSource::stats : qbl::AmaxSource::x;
+  const Tensor ws = workspace(layer.plans->forward_workspace_bytes(), x);
+  translate([&] { layer.plans->forward(c, ws.mutable_data_ptr(), stream); });
   return {out, mixed, stats};
 }
 
-// [max |x| of this shard, 0] in float32: the first step of a sharded forward. stats[0]'s bits,
-// read as int32, order like the values (its sign bit is clear), NaN above +Inf: an integer MAX
-// all-reduce of them is the NaN-propagating max over the shards.
-Tensor local_amax_cuda(const Tensor& x_in) {
+// [max |act(x)| of this shard, 0] in float32: the first step of a sharded forward. stats[0]'s
+// bits, read as int32, order like the values (its sign bit is clear), NaN above +Inf: an integer
+// MAX all-reduce of them is the NaN-propagating max over the shards.
+Tensor local_amax_cuda(const Tensor& x_in, c10::string_view activation) {
   constexpr const char* op = "qbl.local_amax";
+  const qbl::Activation act = parse_activation(op, activation);
   TORCH_CHECK(x_in.layout() == c10::kStrided, op, ": x must be a dense tensor");
   TORCH_CHECK(x_in.is_cuda(), op, ": x must be a CUDA tensor, got one on ", x_in.device().str());
   Tensor stats;
@@ -91,7 +82,11 @@ Tensor local_amax_cuda(const Tensor& x_in) {
     const Tensor x = x_in.contiguous();
     float* d_stats = stats.mutable_data_ptr<float>();
     C10_CUDA_CHECK(cudaMemsetAsync(d_stats + 1, 0, sizeof(float), stream));
-    C10_CUDA_CHECK(qbl::amax(const_data<X>(x), x.numel(), d_stats, stream));
+    qbl::for_each_type(qbl::Activations{}, [&](auto a) {
+      using Act = decltype(a);
+      if (Act::kind == act)
+        C10_CUDA_CHECK((qbl::amax<X, Act>(const_data<X>(x), x.numel(), d_stats, stream)));
+    });
   });
   TORCH_CHECK_TYPE(supported_x, op, ": unsupported dtype ", c10::toString(x_in.scalar_type()),
                    "; supported: ", supported_x_dtypes());
@@ -100,22 +95,27 @@ Tensor local_amax_cuda(const Tensor& x_in) {
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
     const Tensor& grad_out_in, const Tensor& x_in, const Tensor& logits_in, const Tensor& weight_in,
-    const Tensor& mixed_in, const Tensor& stats, bool has_bias, std::array<bool, 4> mask,
-    bool straight_through, bool allow_tf32) {
+    const std::optional<Tensor>& mixed_in, const Tensor& stats, bool has_bias,
+    std::array<bool, 4> mask, c10::string_view activation, bool straight_through, bool allow_tf32) {
   constexpr const char* op = "qbl.backward";
+  const qbl::Activation act = parse_activation(op, activation);
   const Problem p = check_problem(op, x_in, logits_in, weight_in);
   const Dtypes dtypes{x_in.scalar_type(), weight_in.scalar_type(), logits_in.scalar_type()};
   check_supported(op, dtypes);
   check_dense(op, grad_out_in, "grad_out", x_in);
-  check_dense(op, mixed_in, "mixed", x_in);
   check_dtype(op, grad_out_in, "grad_out", dtypes.gemm, "weight");
-  check_dtype(op, mixed_in, "mixed", dtypes.gemm, "weight");
+  const bool kept = given(mixed_in);
+  if (kept) {
+    check_dense(op, *mixed_in, "mixed", x_in);
+    check_dtype(op, *mixed_in, "mixed", dtypes.gemm, "weight");
+    TORCH_CHECK(mixed_in->sizes() == x_in.sizes(), op, ": mixed must have x's shape ",
+                shape_str(x_in.sizes()), " or be None (recomputed), got ",
+                shape_str(mixed_in->sizes()));
+  }
   std::vector<std::int64_t> out_sizes = p.lead;
   out_sizes.push_back(p.out_features);
   TORCH_CHECK(grad_out_in.sizes() == c10::IntArrayRef(out_sizes), op, ": grad_out must have shape ",
               shape_str(out_sizes), ", got ", shape_str(grad_out_in.sizes()));
-  TORCH_CHECK(mixed_in.sizes() == x_in.sizes(), op, ": mixed must have x's shape ",
-              shape_str(x_in.sizes()), ", got ", shape_str(mixed_in.sizes()));
   check_stats(op, stats, x_in, "the forward");
   const bool want_bias = mask[3] && has_bias;
   const auto x_opts = x_in.options();
@@ -134,46 +134,42 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
 
   const c10::cuda::CUDAGuard guard(x_in.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  // x is read only for grad_logits, mixed only for grad_weight, weight, logits and stats only for
-  // grad_x and grad_logits.
+  // What each wanted output reads (qbl::BackwardArgs): weight for grad_x and grad_logits; logits
+  // and stats for those and a recomputed mixed; x for grad_logits, a recomputed mixed and an
+  // activation's grad_x; mixed for grad_weight.
   const bool dgrad = mask[0] || mask[1];
   const bool wgrad = mask[2] || want_bias;
+  const bool recompute = mask[2] && !kept;
+  const bool need_x = mask[1] || recompute || (mask[0] && act != qbl::Activation::identity);
   const Tensor grad_out = grad_out_in.contiguous();
-  const Tensor x = mask[1] ? x_in.contiguous() : Tensor();
-  const Tensor logits = dgrad ? logits_in.contiguous() : Tensor();
+  const Tensor x = need_x ? x_in.contiguous() : Tensor();
+  const Tensor logits = dgrad || recompute ? logits_in.contiguous() : Tensor();
   const Tensor weight = dgrad ? weight_in.contiguous() : Tensor();
-  const Tensor mixed = mask[2] ? mixed_in.contiguous() : Tensor();
+  const Tensor mixed = mask[2] && kept ? mixed_in->contiguous() : Tensor();
   const int device = x_in.get_device();
-  const LayerKey key{device, dtypes, p.in_features, p.out_features,
-                     allow_tf32 && dtypes.gemm == at::kFloat};
-  Layer& layer = cached_layer(key, p.tokens, true, stream);
-  translate([&] {
-    std::visit(
-        [&](const auto& plans) {
-          using Plan = typename std::decay_t<decltype(plans.backward)>::element_type;
-          using X = typename Plan::x_type;
-          using G = typename Plan::gemm_type;
-          using L = typename Plan::logits_type;
-          typename Plan::Arguments a;
-          a.grad_out = const_data<G>(grad_out), a.x = const_data<X>(x);
-          a.logits = const_data<L>(logits), a.weight = const_data<G>(weight);
-          a.mixed = const_data<G>(mixed);
-          a.stats = dgrad ? stats.const_data_ptr<float>() : nullptr;
-          a.tokens = p.tokens;
-          a.grad_x = mask[0] ? mutable_data<X>(gx) : nullptr;
-          a.grad_logits = mask[1] ? mutable_data<L>(gl) : nullptr;
-          a.grad_weight = mask[2] ? mutable_data<G>(gw) : nullptr;
-          a.grad_bias = want_bias ? mutable_data<G>(gb) : nullptr;
-          a.quant_grad = straight_through ? qbl::QuantGrad::straight_through : qbl::QuantGrad::zero;
-          // wgrad beside dgrad on this stream's own side stream, where the plan puts it there.
-          qbl::SideStream* side = dgrad && wgrad && plans.backward->overlaps(p.tokens)
-                                      ? side_stream(device, stream)
-                                      : nullptr;
-          const Tensor ws = workspace(plans.backward->workspace_bytes(p.tokens), grad_out);
-          plans.backward->run(a, ws.mutable_data_ptr(), side, stream);
-        },
-        layer.plans);
-  });
+  const LayerKey key{device,        dtypes,         act,
+                     p.in_features, p.out_features, allow_tf32 && dtypes.gemm == at::kFloat};
+  const Layer& layer = cached_layer(key, p.tokens, true, stream);
+  BackwardCall c;
+  c.grad_out = grad_out.const_data_ptr();
+  c.x = x.defined() ? x.const_data_ptr() : nullptr;
+  c.logits = logits.defined() ? logits.const_data_ptr() : nullptr;
+  c.weight = weight.defined() ? weight.const_data_ptr() : nullptr;
+  c.mixed = mixed.defined() ? mixed.const_data_ptr() : nullptr;
+  c.stats = dgrad || recompute ? stats.const_data_ptr<float>() : nullptr;
+  c.tokens = p.tokens;
+  c.grad_x = mask[0] ? gx.mutable_data_ptr() : nullptr;
+  c.grad_logits = mask[1] ? gl.mutable_data_ptr() : nullptr;
+  c.grad_weight = mask[2] ? gw.mutable_data_ptr() : nullptr;
+  c.grad_bias = want_bias ? gb.mutable_data_ptr() : nullptr;
+  c.quant_grad = straight_through ? qbl::QuantGrad::straight_through : qbl::QuantGrad::zero;
+  // wgrad beside dgrad on this stream's own side stream, where the plan puts it there (a
+  // recomputed mixed orders wgrad after the element kernel: no side stream then).
+  qbl::SideStream* side = dgrad && wgrad && !recompute && layer.plans->overlaps(p.tokens)
+                              ? side_stream(device, stream)
+                              : nullptr;
+  const Tensor ws = workspace(layer.plans->backward_workspace_bytes(c), grad_out);
+  translate([&] { layer.plans->backward(c, ws.mutable_data_ptr(), side, stream); });
   return {gx, gl, gw, gb};
 }
 

@@ -10,7 +10,6 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
-#include <type_traits>
 #include <utility>
 
 namespace qbl_torch {
@@ -58,8 +57,16 @@ qbl::Options plan_options(const LayerKey& key) {
   return o;
 }
 
-bool has_backward(const Layer& l) {
-  return std::visit([](const auto& p) { return p.backward != nullptr; }, l.plans);
+/// The plans of a layer of key `key` for `capacity` tokens (make_plans of its activation).
+std::unique_ptr<LayerPlans> plans_for(const LayerKey& key, std::int64_t capacity, bool backward,
+                                      const qbl::Options& o) {
+  std::unique_ptr<LayerPlans> made;
+  qbl::for_each_type(qbl::Activations{}, [&](auto act) {
+    using Act = decltype(act);
+    if (Act::kind == key.activation)
+      made = make_plans<Act>(key.dtypes, key.in_features, key.out_features, capacity, backward, o);
+  });
+  return made;
 }
 
 // A layer outgrown by a larger token count is retired, not freed: a call on another thread may
@@ -76,7 +83,7 @@ class Registry {
     std::lock_guard<std::mutex> lock(layers_mutex_);
     auto it = live_.find(key);
     Layer* found = it != live_.end() && it->second->capacity >= tokens ? it->second.get() : nullptr;
-    if (found != nullptr && (!backward || has_backward(*found))) return *found;
+    if (found != nullptr && (!backward || found->plans->has_backward())) return *found;
     TORCH_CHECK(!capturing(stream), "qbl: planning a layer for ", std::to_string(tokens),
                 " tokens during CUDA graph capture is not possible (planning allocates and "
                 "synchronizes); run the same call once before capturing");
@@ -86,32 +93,17 @@ class Registry {
     C10_CUDA_CHECK(cudaStreamSynchronize(stream));
     const qbl::Options o = plan_options(key);
     if (found != nullptr) {  // the forward is planned; the backward now too
-      translate([&] {
-        std::visit(
-            [&](auto& p) {
-              using Backward = typename std::decay_t<decltype(p)>::Backward;
-              p.backward =
-                  std::make_unique<Backward>(key.in_features, key.out_features, found->capacity, o);
-            },
-            found->plans);
-      });
+      translate([&] { found->plans->plan_backward(o); });
       return *found;
     }
     const std::int64_t capacity = capacity_for(tokens);
-    const bool with_backward = backward || (it != live_.end() && has_backward(*it->second));
+    const bool with_backward = backward || (it != live_.end() && it->second->plans->has_backward());
     std::unique_ptr<Layer> made;
     translate([&] {
-      dispatch_layer_types(key.dtypes, [&](auto t) {
-        using P = Plans<decltype(t)>;
-        P p{typename P::Forward(key.in_features, key.out_features, capacity, o), nullptr};
-        if (with_backward) {
-          p.backward = std::make_unique<typename P::Backward>(key.in_features, key.out_features,
-                                                              capacity, o);
-        }
-        made = std::make_unique<Layer>(Layer{key, capacity, AnyPlans(std::move(p))});
-      });
+      made =
+          std::make_unique<Layer>(Layer{key, capacity, plans_for(key, capacity, with_backward, o)});
     });
-    TORCH_INTERNAL_ASSERT(made != nullptr, "qbl: a layer of unsupported dtypes");
+    TORCH_INTERNAL_ASSERT(made->plans != nullptr, "qbl: a layer of unsupported dtypes");
     if (it != live_.end()) {
       retired_.push_back(std::move(it->second));
       it->second = std::move(made);
@@ -153,19 +145,15 @@ class Registry {
     std::vector<std::int64_t> numbers;
     std::vector<std::string> names;
     for (const auto& [k, layer] : live_) {
-      std::int64_t fwd_ws = 0, bwd_ws = 0;
-      std::visit(
-          [&](const auto& p) {
-            fwd_ws = static_cast<std::int64_t>(p.forward.workspace_bytes());
-            bwd_ws = p.backward ? static_cast<std::int64_t>(p.backward->workspace_bytes()) : 0;
-          },
-          layer->plans);
-      for (std::int64_t v :
-           {std::int64_t{k.device}, k.in_features, k.out_features, std::int64_t{k.tf32},
-            std::int64_t{has_backward(*layer)}, layer->capacity, fwd_ws, bwd_ws})
+      const LayerPlans& p = *layer->plans;
+      for (std::int64_t v : {std::int64_t{k.device}, k.in_features, k.out_features,
+                             std::int64_t{k.tf32}, std::int64_t{p.has_backward()}, layer->capacity,
+                             static_cast<std::int64_t>(p.forward_workspace_bytes()),
+                             static_cast<std::int64_t>(p.max_backward_workspace_bytes())})
         numbers.push_back(v);
       for (ScalarType t : {k.dtypes.x, k.dtypes.gemm, k.dtypes.logits})
         names.emplace_back(c10::toString(t));
+      names.emplace_back(activation_name(k.activation));
     }
     return {numbers, names};
   }

@@ -1,11 +1,13 @@
-// The layer cache: one cached layer per (device, dtypes, in_features, out_features, TF32), serving
-// forward and backward, for a power-of-two token capacity; and one qbl::SideStream per (device,
-// calling stream), where a backward runs wgrad beside dgrad. Plans hold no device memory and
-// nothing mutable: every workspace, like every output, comes from torch's caching allocator on
-// the current stream, per call -- so the same layer serves several streams and threads at once,
-// and CUDA graphs capture its calls with torch's graph pools.
+// The layer cache: one cached layer per (device, dtypes, activation, in_features, out_features,
+// TF32), serving forward and backward, for a power-of-two token capacity; and one
+// qbl::SideStream per (device, calling stream), where a backward runs wgrad beside dgrad. Plans
+// hold no device memory and nothing mutable: every workspace, like every output, comes from
+// torch's caching allocator on the current stream, per call -- so the same layer serves several
+// streams and threads at once, and CUDA graphs capture its calls with torch's graph pools.
 //
-// Needs nvcc (qbl's plans): included by the files that plan or run them.
+// A layer's plans are behind LayerPlans, made by make_plans<Act>: each activation's plans (for
+// every element type of qbl::SupportedTypes) are compiled in a file of their own (plans_*.cu),
+// so that the kernels of the 5 activations x 7 type combinations build in parallel.
 #pragma once
 
 #include "qbl_torch.h"
@@ -15,7 +17,6 @@
 #include <cstdint>
 #include <memory>
 #include <tuple>
-#include <variant>
 
 namespace qbl_torch {
 
@@ -23,42 +24,70 @@ namespace qbl_torch {
 struct LayerKey {
   int device;
   Dtypes dtypes;
+  qbl::Activation activation;
   std::int64_t in_features, out_features;
   bool tf32;
   bool operator<(const LayerKey& o) const {
     auto tie = [](const LayerKey& k) {
-      return std::make_tuple(k.device, k.dtypes.x, k.dtypes.gemm, k.dtypes.logits, k.in_features,
-                             k.out_features, k.tf32);
+      return std::make_tuple(k.device, k.dtypes.x, k.dtypes.gemm, k.dtypes.logits, k.activation,
+                             k.in_features, k.out_features, k.tf32);
     };
     return tie(*this) < tie(o);
   }
 };
 
-/// One shape's plans for the element types T (a qbl::LayerTypes): the forward, and the backward
-/// once a backward is on its way.
-template <typename T>
-struct Plans {
-  using Forward =
-      qbl::ForwardPlan<typename T::x_type, typename T::gemm_type, typename T::logits_type>;
-  using Backward =
-      qbl::BackwardPlan<typename T::x_type, typename T::gemm_type, typename T::logits_type>;
-  Forward forward;
-  std::unique_ptr<Backward> backward;
+/// One forward's operands, of the layer's dtypes (qbl::ForwardArgs with untyped pointers).
+struct ForwardCall {
+  const void *x = nullptr, *logits = nullptr, *weight = nullptr, *bias = nullptr;
+  void *out = nullptr, *mixed = nullptr;
+  float* stats = nullptr;
+  std::int64_t tokens = 0;
+  qbl::AmaxSource amax_source = qbl::AmaxSource::x;
 };
 
-template <typename List>
-struct AnyPlansOf;
-template <typename... T>
-struct AnyPlansOf<qbl::TypeList<T...>> {
-  using type = std::variant<Plans<T>...>;
+/// One backward's operands (qbl::BackwardArgs with untyped pointers); a null mixed with
+/// grad_weight wanted is recomputed.
+struct BackwardCall {
+  const void *grad_out = nullptr, *x = nullptr, *logits = nullptr, *weight = nullptr,
+             *mixed = nullptr;
+  const float* stats = nullptr;
+  std::int64_t tokens = 0;
+  void *grad_x = nullptr, *grad_logits = nullptr, *grad_weight = nullptr, *grad_bias = nullptr;
+  qbl::QuantGrad quant_grad = qbl::QuantGrad::zero;
 };
-/// The plans of one layer, of any element types in qbl::SupportedTypes.
-using AnyPlans = typename AnyPlansOf<qbl::SupportedTypes>::type;
+
+/// One layer's plans, of whatever element types and activation: the forward, and the backward
+/// once a backward is on its way.
+class LayerPlans {
+ public:
+  virtual ~LayerPlans() = default;
+  virtual bool has_backward() const = 0;
+  /// Plans the backward (on the current device), if not yet planned.
+  virtual void plan_backward(const qbl::Options& options) = 0;
+  virtual std::size_t forward_workspace_bytes() const = 0;
+  /// What backward(call) needs (0 without a backward plan).
+  virtual std::size_t backward_workspace_bytes(const BackwardCall& call) const = 0;
+  /// The most any backward needs, at the capacity (0 without a backward plan).
+  virtual std::size_t max_backward_workspace_bytes() const = 0;
+  /// Does a backward of `tokens` tokens put wgrad beside dgrad (given a side stream)?
+  virtual bool overlaps(std::int64_t tokens) const = 0;
+  virtual void forward(const ForwardCall& call, void* workspace, cudaStream_t stream) const = 0;
+  virtual void backward(const BackwardCall& call, void* workspace, qbl::SideStream* side,
+                        cudaStream_t stream) const = 0;
+};
+
+/// The plans of a layer with activation Act, of the element types `dtypes` (one of
+/// qbl::SupportedTypes: checked before), for up to `capacity` tokens on the current device, the
+/// backward's too where `backward`. Defined in plans_<activation>.cu.
+template <typename Act>
+std::unique_ptr<LayerPlans> make_plans(const Dtypes& dtypes, std::int64_t in_features,
+                                       std::int64_t out_features, std::int64_t capacity,
+                                       bool backward, const qbl::Options& options);
 
 struct Layer {
   LayerKey key;
   std::int64_t capacity;  // the most tokens a call may have
-  AnyPlans plans;
+  std::unique_ptr<LayerPlans> plans;
 };
 
 /// The layer for `key` with room for `tokens`, planned on first use (on the current device, which

@@ -28,16 +28,21 @@ const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
 TORCH_LIBRARY(qbl, m) {
   // stats given: the sharded forward's second step -- amax is stats[0] as given (local_amax's,
   // reduced over the shards), and the returned stats is a copy of it with the scale written.
+  // activation: none, gelu, gelu_tanh, relu or silu, applied to x inside the layer. keep_mixed:
+  // autograd keeps mixed for the backward (else the backward recomputes it); the computation
+  // itself is the same.
   m.def(
       "forward(Tensor x, Tensor logits, Tensor weight, Tensor? bias, Tensor? stats=None, "
-      "bool straight_through=False, bool allow_tf32=False, ScalarType? gemm_dtype=None) -> "
-      "(Tensor out, Tensor mixed, Tensor stats)");
+      "str activation=\"none\", bool keep_mixed=True, bool straight_through=False, "
+      "bool allow_tf32=False, ScalarType? gemm_dtype=None) -> (Tensor out, Tensor mixed, "
+      "Tensor stats)");
+  // mixed None: recomputed from x and stats (the forward kept none).
   m.def(
-      "backward(Tensor grad_out, Tensor x, Tensor logits, Tensor weight, Tensor mixed, "
-      "Tensor stats, bool has_bias, bool[4] output_mask, bool straight_through=False, "
-      "bool allow_tf32=False) -> (Tensor grad_x, Tensor grad_logits, Tensor grad_weight, "
-      "Tensor grad_bias)");
-  m.def("local_amax(Tensor x) -> Tensor");
+      "backward(Tensor grad_out, Tensor x, Tensor logits, Tensor weight, Tensor? mixed, "
+      "Tensor stats, bool has_bias, bool[4] output_mask, str activation=\"none\", "
+      "bool straight_through=False, bool allow_tf32=False) -> (Tensor grad_x, "
+      "Tensor grad_logits, Tensor grad_weight, Tensor grad_bias)");
+  m.def("local_amax(Tensor x, str activation=\"none\") -> Tensor");
   m.def("clear_cache() -> ()", &qbl_torch::clear_cache);
   m.def("cache_info() -> (int[], str[])", &qbl_torch::cache_info);
 }

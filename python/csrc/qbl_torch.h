@@ -2,13 +2,15 @@
 //
 //   torch.ops.qbl.forward     out, and the `mixed` and stats = [amax, scale] the backward reads;
 //                             with `stats` given, the sharded forward's second step (amax read
-//                             from stats[0])
-//   torch.ops.qbl.backward    the four gradients
-//   torch.ops.qbl.local_amax  [max |x|, 0] of a shard (the sharded forward's first step)
+//                             from stats[0]); `activation` applies F.gelu / ... to x inside;
+//                             `keep_mixed` says whether autograd keeps mixed for the backward
+//   torch.ops.qbl.backward    the four gradients (mixed None: recomputed from x and stats)
+//   torch.ops.qbl.local_amax  [max |act(x)|, 0] of a shard (the sharded forward's first step)
 //
 // one file per concern, as torchvision's csrc/ops: the schema (ops.cpp), argument checks
-// (checks.cpp), the cached plans (layer_registry.cu), the CUDA kernels (cuda_kernels.cu), the
-// autograd formula (autograd_kernel.cpp) and the autocast kernel (autocast_kernel.cpp). Their
+// (checks.cpp), the cached plans (layer_registry.cu, with each activation's plans compiled in
+// plans_<activation>.cu), the CUDA kernels (cuda_kernels.cu), the autograd formula
+// (autograd_kernel.cpp) and the autocast kernel (autocast_kernel.cpp). Their
 // fake implementations are registered from Python (qbl/_ops.py), so torch.compile traces them.
 //
 // Host-only: the .cpp files compile without nvcc; the files that run qbl's plans include
@@ -127,6 +129,18 @@ T* mutable_data(const Tensor& t) {
   return t.defined() ? static_cast<T*>(t.mutable_data_ptr()) : nullptr;
 }
 
+// ---- activations -------------------------------------------------------------------------------
+
+/// The activations' names in the operators' `activation` argument, qbl::Activation's order.
+inline constexpr const char* activation_names[] = {"none", "gelu", "gelu_tanh", "relu", "silu"};
+
+inline const char* activation_name(qbl::Activation a) {
+  return activation_names[static_cast<int>(a)];
+}
+
+/// The activation named `name`; ValueError naming the choices for any other.
+qbl::Activation parse_activation(const char* op, c10::string_view name);
+
 /// Is an optional tensor argument given (present and defined)?
 inline bool given(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
 
@@ -186,16 +200,15 @@ void check_stats(const char* op, const Tensor& stats, const Tensor& x, const cha
 
 // ---- the operators (ops.cpp) -------------------------------------------------------------------
 
-using ForwardSignature = std::tuple<Tensor, Tensor, Tensor>(const Tensor& x, const Tensor& logits,
-                                                            const Tensor& weight,
-                                                            const std::optional<Tensor>& bias,
-                                                            const std::optional<Tensor>& stats,
-                                                            bool straight_through, bool allow_tf32,
-                                                            std::optional<ScalarType> gemm_dtype);
+using ForwardSignature = std::tuple<Tensor, Tensor, Tensor>(
+    const Tensor& x, const Tensor& logits, const Tensor& weight, const std::optional<Tensor>& bias,
+    const std::optional<Tensor>& stats, c10::string_view activation, bool keep_mixed,
+    bool straight_through, bool allow_tf32, std::optional<ScalarType> gemm_dtype);
 using BackwardSignature = std::tuple<Tensor, Tensor, Tensor, Tensor>(
     const Tensor& grad_out, const Tensor& x, const Tensor& logits, const Tensor& weight,
-    const Tensor& mixed, const Tensor& stats, bool has_bias, std::array<bool, 4> output_mask,
-    bool straight_through, bool allow_tf32);
+    const std::optional<Tensor>& mixed, const Tensor& stats, bool has_bias,
+    std::array<bool, 4> output_mask, c10::string_view activation, bool straight_through,
+    bool allow_tf32);
 
 // The operators as the dispatcher knows them, for calls below the autograd and autocast keys.
 const c10::TypedOperatorHandle<ForwardSignature>& forward_op();
@@ -215,7 +228,7 @@ bool recorded_by_autograd();
 /// Synchronizes the devices that hold layers, then frees every cached layer and side stream.
 void clear_cache();
 /// [device, in, out, tf32, backward, max_tokens, forward workspace, backward workspace] and
-/// [x dtype, gemm dtype, logits dtype] per live layer.
+/// [x dtype, gemm dtype, logits dtype, activation] per live layer.
 std::tuple<std::vector<std::int64_t>, std::vector<std::string>> cache_info();
 
 }  // namespace qbl_torch

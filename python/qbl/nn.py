@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
 
-from ._ops import quant_blend_linear
+from ._ops import KEEP_MIXED_DEFAULT, activation_name, quant_blend_linear
 
 __all__ = ["QuantBlendLinear"]
 
@@ -19,6 +20,10 @@ class QuantBlendLinear(nn.Module):
     (same names, shapes and initialization), so a state dict moves between this module and an
     nn.Linear. forward(x, logits): x [..., in_features], logits x.shape[:-1].
 
+    activation: None, "gelu", "gelu_tanh", "relu" or "silu": the layer applies F.gelu (...) to
+    its input itself, y = Linear(blend(quant(act(x)))), bit for bit as F.gelu followed by the
+    layer, and keeps x (the activation's input) for the backward, not act(x). keep_mixed: keep
+    `mixed` for the backward (True), or recompute it there from x (False, the default).
     straight_through: the quantizer's gradient taken as the identity (the straight-through
     estimator); default False, the reference's zero gradient. allow_tf32: float32 GEMMs on TF32
     tensor cores (default False: exact float32, as PyTorch's default matmul). process_group: x is
@@ -27,11 +32,15 @@ class QuantBlendLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, straight_through: bool = False, allow_tf32: bool = False,
-                 process_group=None):
+                 process_group=None, activation: Optional[str] = None,
+                 keep_mixed: bool = KEEP_MIXED_DEFAULT):
         super().__init__()
+        activation_name(activation)  # ValueError for an unknown one, here rather than at a call
         factory = {"device": device, "dtype": dtype}
         self.in_features = in_features
         self.out_features = out_features
+        self.activation = activation
+        self.keep_mixed = keep_mixed
         self.straight_through = straight_through
         self.allow_tf32 = allow_tf32
         self.process_group = process_group
@@ -51,9 +60,11 @@ class QuantBlendLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return quant_blend_linear(x, logits, self.weight, self.bias, self.straight_through,
-                                  self.allow_tf32, process_group=self.process_group)
+                                  self.allow_tf32, process_group=self.process_group,
+                                  activation=self.activation, keep_mixed=self.keep_mixed)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, straight_through={self.straight_through}, "
+                f"bias={self.bias is not None}, activation={self.activation}, "
+                f"keep_mixed={self.keep_mixed}, straight_through={self.straight_through}, "
                 f"allow_tf32={self.allow_tf32}")

@@ -32,41 +32,53 @@ def _assert_opcheck(result, what):
 
 
 @pytest.mark.parametrize("dtype", OPCHECK_DTYPES)
-@pytest.mark.parametrize("bias,ste", [(True, False), (False, False), (True, True)],
-                         ids=["bias", "nobias", "bias_ste"])
-def test_opcheck_forward(dtype, bias, ste):
+@pytest.mark.parametrize("bias,ste,act,keep", [(True, False, "none", True),
+                                               (False, False, "none", True),
+                                               (True, True, "none", True),
+                                               (True, False, "gelu", False),
+                                               (False, False, "silu", True)],
+                         ids=["bias", "nobias", "bias_ste", "bias_gelu_recompute", "nobias_silu"])
+def test_opcheck_forward(dtype, bias, ste, act, keep):
     """Inputs require grad, so the autograd registration is checked and test_aot_dispatch_dynamic
     compares compiled gradients (through torch.ops.qbl.backward) with eager ones."""
     x, l, w, b = H.make_inputs((3, 5), 32, 24, dtype, bias=bias, seed=50)
     args = tuple(None if t is None else t.requires_grad_() for t in (x, l, w, b))
     result = torch.library.opcheck(torch.ops.qbl.forward.default, args,
-                                   {"straight_through": ste, "allow_tf32": False},
+                                   {"straight_through": ste, "allow_tf32": False,
+                                    "activation": act, "keep_mixed": keep},
                                    raise_exception=False)
-    _assert_opcheck(result, f"qbl.forward ({dtype}, bias={bias}, straight_through={ste})")
+    _assert_opcheck(result, f"qbl.forward ({dtype}, bias={bias}, straight_through={ste}, "
+                            f"activation={act}, keep_mixed={keep})")
 
 
+@pytest.mark.parametrize("act,recompute", [("none", False), ("gelu_tanh", True)],
+                         ids=["none_kept", "gelu_tanh_recomputed"])
 @pytest.mark.parametrize("dtype", OPCHECK_DTYPES)
 @pytest.mark.parametrize("mask,has_bias", [
     ([True, True, True, True], True), ([False, True, False, False], True),
     ([False, False, True, True], True), ([True, False, True, True], False)],
     ids=["all", "logits", "weight_bias", "x_weight_nobias"])
-def test_opcheck_backward(dtype, mask, has_bias):
+def test_opcheck_backward(dtype, mask, has_bias, act, recompute):
     x, l, w, b = H.make_inputs((3, 5), 32, 24, dtype, bias=has_bias, seed=51)
-    _, mixed, stats = torch.ops.qbl.forward(x, l, w, b)
+    _, mixed, stats = torch.ops.qbl.forward(x, l, w, b, activation=act)
     g = H.make_grad_out((3, 5, 24), dtype, seed=52)
     result = torch.library.opcheck(torch.ops.qbl.backward.default,
-                                   (g, x, l, w, mixed, stats, has_bias, mask),
-                                   {"straight_through": False, "allow_tf32": False},
+                                   (g, x, l, w, None if recompute else mixed, stats, has_bias,
+                                    mask),
+                                   {"activation": act, "straight_through": False,
+                                    "allow_tf32": False},
                                    raise_exception=False)
-    _assert_opcheck(result, f"qbl.backward ({dtype}, mask={mask}, has_bias={has_bias})")
+    _assert_opcheck(result, f"qbl.backward ({dtype}, mask={mask}, has_bias={has_bias}, "
+                            f"activation={act}, recomputed mixed={recompute})")
 
 
 class _Small(nn.Module):
     """The layer between exact ops (x * 2 and ReLU), so compiled code must match eager's bits."""
 
-    def __init__(self, dtype, n_in=48, n_out=32):
+    def __init__(self, dtype, n_in=48, n_out=32, activation=None, keep_mixed=True):
         super().__init__()
-        self.layer = qbl.QuantBlendLinear(n_in, n_out, device=H.device(), dtype=dtype)
+        self.layer = qbl.QuantBlendLinear(n_in, n_out, device=H.device(), dtype=dtype,
+                                          activation=activation, keep_mixed=keep_mixed)
 
     def forward(self, x, logits):
         return torch.relu(self.layer(x * 2.0, logits))
@@ -95,8 +107,10 @@ def _inputs(lead, dtype, seed, n_in=48, n_out=32):
     return x, l, H.make_grad_out((*lead, n_out), dtype, seed=seed + 1)
 
 
+@pytest.mark.parametrize("act,keep", [(None, True), ("gelu", False), ("relu", True)],
+                         ids=["none_kept", "gelu_recomputed", "relu_kept"])
 @pytest.mark.parametrize("dtype", OPCHECK_DTYPES)
-def test_compile_fullgraph_aot_eager_calls_qbl_ops(dtype):
+def test_compile_fullgraph_aot_eager_calls_qbl_ops(dtype, act, keep):
     """One graph without a break (fullgraph=True); Dynamo's and AOT's forward graphs call
     qbl.forward and AOT's backward graph qbl.backward; out and every grad bit-equal to the
     uncompiled module's; a second call with new inputs reuses the graph."""
@@ -118,14 +132,16 @@ def test_compile_fullgraph_aot_eager_calls_qbl_ops(dtype):
         graphs["dynamo"].append(gm)
         return aot(gm, example_inputs)
 
-    model = _Small(dtype)
+    model = _Small(dtype, activation=act, keep_mixed=keep)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     for seed in (53, 55):
         x, l, g = _inputs((4, 9), dtype, seed)
         want = _train_once(model, model.layer, x, l, g)
         got = _train_once(compiled, model.layer, x, l, g)
         _assert_same_results(got, want, f"aot_eager-compiled vs eager (seed {seed})")
-    e = H.eager_forward(x * 2.0, l, model.layer.weight.detach(), model.layer.bias.detach())
+    activated = {None: lambda t: t, "gelu": torch.nn.functional.gelu, "relu": torch.relu}[act]
+    e = H.eager_forward(activated(x * 2.0), l, model.layer.weight.detach(),
+                        model.layer.bias.detach())
     H.assert_gemm_close(want[0], torch.relu(e.out), torch.relu(H.ref64_out(
         e.mixed, model.layer.weight, model.layer.bias)[0]), dtype, "eager module's out")
     assert len(graphs["dynamo"]) == 1, f"{len(graphs['dynamo'])} Dynamo graphs, expected 1"
@@ -207,18 +223,23 @@ def test_cuda_graph_forward_replay_matches_eager(dtype):
 
 
 class _TwoLayer(nn.Module):
-    """Two qbl layers sharing learnable gate logits (grad_logits reaches `gate`)."""
+    """Two qbl layers sharing learnable gate logits (grad_logits reaches `gate`); with `fused`,
+    the second applies the ReLU between them itself and recomputes its mixed."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, fused=False):
         super().__init__()
         dev = H.device()
+        self.fused = fused
         self.gate = nn.Parameter(torch.ones((), device=dev, dtype=dtype))
-        self.l1 = qbl.QuantBlendLinear(64, 96, device=dev, dtype=dtype)
-        self.l2 = qbl.QuantBlendLinear(96, 32, device=dev, dtype=dtype)
+        self.l1 = qbl.QuantBlendLinear(64, 96, device=dev, dtype=dtype, keep_mixed=True)
+        self.l2 = qbl.QuantBlendLinear(96, 32, device=dev, dtype=dtype,
+                                       activation="relu" if fused else None,
+                                       keep_mixed=not fused)
 
     def forward(self, x, logits):
         gl = logits * self.gate
-        return self.l2(torch.relu(self.l1(x, gl)), gl)
+        h = self.l1(x, gl)
+        return self.l2(h if self.fused else torch.relu(h), gl)
 
 
 def _step(model, opt, x, l):
@@ -229,16 +250,18 @@ def _step(model, opt, x, l):
     return loss.detach()
 
 
-@pytest.mark.parametrize("optim,dtype", [("sgd", torch.float32), ("adam", torch.float32),
-                                         ("sgd", torch.bfloat16)],
-                         ids=["sgd_fp32", "adam_fp32", "sgd_bf16"])
-def test_cuda_graph_training_step(optim, dtype):
+@pytest.mark.parametrize("optim,dtype,fused", [("sgd", torch.float32, False),
+                                               ("adam", torch.float32, False),
+                                               ("sgd", torch.bfloat16, False),
+                                               ("adam", torch.bfloat16, True)],
+                         ids=["sgd_fp32", "adam_fp32", "sgd_bf16", "adam_bf16_fused_relu"])
+def test_cuda_graph_training_step(optim, dtype, fused):
     """A whole training step (forward, loss.backward(), optimizer.step()) captured with
     torch.cuda.graph after three warm-up steps on a side stream, replayed with new inputs copied
     into the static ones: losses and parameters after N replays bit-equal to those of an identical
     copy trained eagerly on the same inputs (every kernel involved is deterministic)."""
     torch.manual_seed(80)
-    model = _TwoLayer(dtype)
+    model = _TwoLayer(dtype, fused)
     ref = copy.deepcopy(model)
 
     def make_opt(m):

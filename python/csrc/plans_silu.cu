@@ -1,0 +1,8 @@
+// The layer plans with activation qbl::Silu, for every element type (layer_plans.cuh).
+#include "layer_plans.cuh"
+
+namespace qbl_torch {
+template std::unique_ptr<LayerPlans> make_plans<qbl::Silu>(const Dtypes&, std::int64_t,
+                                                           std::int64_t, std::int64_t, bool,
+                                                           const qbl::Options&);
+}  // namespace qbl_torch
