@@ -174,7 +174,7 @@ def main() -> int:
         models = train_qat.Models(ns, args.d, precision)
         names = [n.split() for n in args.variants.split(",")]
         runs = [(variant, mode, ov) for variant, mode in names
-                for ov in (overlaps if variant == "qbl" else [None])]
+                for ov in (overlaps if variant.startswith("qbl") else [None])]
         steps = {}
         for run in runs:
             set_overlap(run[2])
@@ -184,7 +184,8 @@ def main() -> int:
         for run in runs:
             variant, mode, ov = run
             out.write(f"D={args.d} {precision} {variant} {mode}"
-                      f"{'' if variant != 'qbl' else ', overlap ' + overlap_name(ov)}:\n")
+                      f"{'' if not variant.startswith('qbl') else ', overlap ' + overlap_name(ov)}"
+                      ":\n")
             set_overlap(ov)
             profile_variant(steps[run], batches, args.steps, args.rows, out)
             if mode == "compile":
@@ -233,8 +234,8 @@ def time_runs(steps, batches, args, out, label: str) -> None:
             run = runs[(r + j) % len(runs)]  # the order rotates: none always goes first
             set_overlap(run[2])
             steps[run](*batches[0])
-            gpu_ms, host_ms = train_qat.timed_steps(steps[run], batches, args.round_steps,
-                                                    r * args.round_steps)
+            gpu_ms, host_ms, _ = train_qat.timed_steps(steps[run], batches, args.round_steps,
+                                                       r * args.round_steps)
             times[run][0].append(gpu_ms)
             times[run][1].append(host_ms)
     base = [statistics.median(g) for run, (g, _) in times.items()
@@ -244,7 +245,7 @@ def time_runs(steps, batches, args, out, label: str) -> None:
     for (variant, mode, ov), (g, h) in times.items():
         ms = statistics.median(g)
         vs = f", reference compiled / this {base[0] / ms:.3f}" if base else ""
-        ov_text = "" if variant != "qbl" else f", overlap {overlap_name(ov)}"
+        ov_text = "" if not variant.startswith("qbl") else f", overlap {overlap_name(ov)}"
         out.write(f"  {variant} {mode}{ov_text}: {ms:.3f} ms per step (host "
                   f"{statistics.median(h):.3f}){vs}; rounds {', '.join(f'{v:.2f}' for v in g)}\n")
     out.flush()

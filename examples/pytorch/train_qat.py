@@ -11,8 +11,8 @@ entropy. A block: h = LayerNorm(x); logits = Linear(D, 1)(h), one gate per token
 QBL(4D, D)(GELU(QBL(D, 4D)(h, logits)), logits), QBL being ReferenceQuantBlendLinear below
 ("reference": reference.py's Model with nn.Linear's parameters, F.gelu between the layers) or
 qbl.QuantBlendLinear, the GELU fused into the second layer (activation="gelu": the layer keeps
-the first layer's output, not GELU's), with `mixed` kept for the backward ("qbl keep",
-keep_mixed=True) or recomputed in it ("qbl recompute", keep_mixed=False); all models have the
+the first layer's output, not GELU's), with `mixed` recomputed in the backward ("qbl":
+keep_mixed=False, the default) or kept for it ("qbl_keep": keep_mixed=True); all models have the
 same parameter names and start from the same values. The task: each token
 id has 4 fixed random successors with fixed odds, the target is one of them (the next token of a
 sparse random Markov chain), so the loss falls from about ln(4096) = 8.3 towards the targets'
@@ -63,16 +63,15 @@ from reference import _fake_quant_symmetric_int8  # noqa: E402
 
 PRECISIONS = ("bf16", "autocast", "fp32")
 # The qbl variants: keep_mixed of qbl.QuantBlendLinear.
-QBL_VARIANTS = {"qbl keep": True, "qbl recompute": False}
+QBL_VARIANTS = {"qbl": False, "qbl_keep": True}
 VARIANTS = ("reference",) + tuple(QBL_VARIANTS)
 MODES = ("eager", "compile")
 MODE_NAMES = {"eager": "eager", "compile": "compiled"}
 SUCCESSOR_PROBS = (0.5, 0.25, 0.15, 0.1)  # the odds of each token's successors
 # (name, variant, mode) of the loss-curve runs; the compiled ones with --curve-compiled.
-CURVE_RUNS = [("reference eager", "reference", "eager"), ("qbl eager", "qbl recompute", "eager"),
+CURVE_RUNS = [("reference eager", "reference", "eager"), ("qbl eager", "qbl", "eager"),
               ("reference eager, 2nd run", "reference", "eager"),
-              ("reference compiled", "reference", "compile"),
-              ("qbl compiled", "qbl recompute", "compile")]
+              ("reference compiled", "reference", "compile"), ("qbl compiled", "qbl", "compile")]
 # (a, b) pairs whose loss curves are compared, where both ran.
 COMPARISONS = [("qbl eager", "reference eager"), ("reference eager, 2nd run", "reference eager"),
                ("qbl compiled", "reference compiled"), ("reference compiled", "reference eager"),
