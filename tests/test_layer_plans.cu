@@ -710,11 +710,12 @@ void capture_while_another_thread_runs(cudaStreamCaptureMode mode) {
   Stream sa, sb;
   qbl::SideStream side_a, side_b;
 
+  // The serial runs on the default stream, after the uploads and poisons that went there.
   // B: its forward once, then the serial backward's gradients, what B's thread must keep getting.
   b.poison();
-  fwd.run(b.forward_args(), wb.get(), sb.s);
-  bwd.run(b.backward_args(), wb.get(), nullptr, sb.s);
-  const auto want_b = Problem::read(b.gradients(), sb.s);
+  fwd.run(b.forward_args(), wb.get());
+  bwd.run(b.backward_args(), wb.get(), nullptr);
+  const auto want_b = Problem::read(b.gradients(), nullptr);
   // A: the direct serial results of three input sets (x, logits and grad_out), kept on the device
   // for the replays.
   constexpr int sets = 3;
@@ -723,9 +724,9 @@ void capture_while_another_thread_runs(cudaStreamCaptureMode mode) {
   for (int k = 0; k < sets; ++k) {
     a.upload(seed + 1000 * (k + 1));
     a.poison();
-    fwd.run(a.forward_args(), wa.get(), sa.s);
-    bwd.run(a.backward_args(), wa.get(), nullptr, sa.s);
-    want_a.push_back(a.outputs(sa.s));
+    fwd.run(a.forward_args(), wa.get());
+    bwd.run(a.backward_args(), wa.get(), nullptr);
+    want_a.push_back(a.outputs());
     for (auto [dst, src] : {std::pair{&xs, &a.x}, {&ls, &a.l}, {&gos, &a.go}}) {
       dst->push_back(std::make_unique<qbl_test::DeviceArray<float>>(src->size()));
       QBL_ASSERT_CUDA(cudaMemcpy(dst->back()->get(), src->get(), src->size() * sizeof(float),
@@ -733,7 +734,9 @@ void capture_while_another_thread_runs(cudaStreamCaptureMode mode) {
     }
   }
   EXPECT_FALSE(qbl_test::bits_equal(want_a[0][3], want_a[1][3])) << "different inputs, same grad_x";
-  // Both side streams used once outside any capture.
+  // Streams A and B are non-blocking: nothing orders them after the default stream's work but
+  // this synchronization. Then both side streams are used once outside any capture.
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   bwd.run(a.backward_args(), wa.get(), &side_a, sa.s);
   bwd.run(b.backward_args(), wb.get(), &side_b, sb.s);
   QBL_ASSERT_CUDA(cudaDeviceSynchronize());
@@ -778,10 +781,11 @@ void capture_while_another_thread_runs(cudaStreamCaptureMode mode) {
     }
     done.fetch_add(1 << 20);  // wakes a waiting capture thread whatever happened
   });
-  // Waits (no CUDA call) until the runner has finished `n` more backwards, or failed, or 20 s.
+  // Waits (no CUDA call) until the runner has finished `n` more backwards, or failed, or 300 s
+  // have passed (generous: under compute-sanitizer a backward takes seconds).
   auto wait_for = [&](int n) {
     const int target = (done.load() & ((1 << 20) - 1)) + n;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
     while (done.load() < target && done.load() < (1 << 20) &&
            std::chrono::steady_clock::now() < deadline)
       std::this_thread::yield();

@@ -878,6 +878,8 @@ TEST(LayerBackwardGraph, ThousandReplaysWithChangingInputsGiveTheDirectResult) {
   Layer layer(c.in, c.out, c.max_tokens, o);
   cudaStream_t s = nullptr;
   QBL_ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  // s is non-blocking: only a synchronization orders it after the default stream's uploads.
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   auto load = [&](int k) {
     QBL_ASSERT_CUDA(cudaMemcpyAsync(buf.x.get(), xs[k]->get(), buf.nx * sizeof(float),
                                     cudaMemcpyDeviceToDevice, s));

@@ -229,10 +229,12 @@ TEST(QuantBlendLinearCapture, ForwardAndBackwardAllocateNothingAndNeverSynchroni
       QBL_ASSERT_CUDA(cudaMemset(a->get(), qbl_test::poison_byte, a->size() * sizeof(float)));
   };
   poison();
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());  // s is non-blocking: ordered after the memsets
   step();
   QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
   const auto want = fetch();
   poison();
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   QBL_ASSERT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
   step();
   cudaGraph_t graph = nullptr;
@@ -469,6 +471,8 @@ TEST(QuantBlendLinearGraph, TenThousandReplaysWithChangingInputsGiveTheDirectRes
   Layer layer(in, out, tokens);
   cudaStream_t s = nullptr;
   QBL_ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  // s is non-blocking: only a synchronization orders it after the default stream's uploads.
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   auto load = [&](Buffers& dst, int k) {
     QBL_ASSERT_CUDA(cudaMemcpyAsync(dst.x.get(), xs[k]->get(), nx * sizeof(float),
                                     cudaMemcpyDeviceToDevice, s));

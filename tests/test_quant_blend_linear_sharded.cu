@@ -286,6 +286,8 @@ TEST(ShardedForwardEdges, CapturedStepsReplayTheDirectResult) {
   qbl_test::DeviceArray<float*> l1(1), l2(1);
   QBL_ASSERT_CUDA(qbl_test::to_device(l1.get(), std::vector<float*>{direct.stats.get()}));
   QBL_ASSERT_CUDA(qbl_test::to_device(l2.get(), std::vector<float*>{graphed.stats.get()}));
+  // s is non-blocking: only a synchronization orders it after the default stream's uploads.
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   steps(direct, l1.get());
   QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
   QBL_ASSERT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
