@@ -27,7 +27,7 @@
 # processes share one GPU well; dozens do not: with 44 at once on one H200 (16 cores) initcheck
 # of the reliability tests took 282 s, against 3 s as 6 shards alone. racecheck of the
 # layer-level binaries takes minutes even so: with 14 tool processes at once, 346-431 s for
-# three of them, and 179 of the 190 backward tests in 520 s.
+# three of them, and 179 of the backward binary's then 190 tests in 520 s.
 #
 # Time limits: QBL_SANITIZER_BINARY_S (seconds, default none) bounds each tool-binary run, and a
 # run that reaches it counts as failed; QBL_SANITIZER_DEADLINE (seconds since the epoch) stops

@@ -1,8 +1,13 @@
 // qbl/gemm.cuh: the GEMM plan -- cuBLASLt, and the fallback kernel where cuBLASLt has no
-// algorithm -- against float64 CPU products.
+// algorithm -- against float64 CPU products, every element within the bound that the GEMM's
+// arithmetic allows (tests/tolerance.hpp): the forward product and the backward's two, each in one
+// suite over element type and shape.
 #include <qbl/gemm.cuh>
 
+#include "reference.hpp"
 #include "test_support.hpp"
+#include "test_support_device.cuh"
+#include "tolerance.hpp"
 
 #include <cstdio>
 #include <limits>
@@ -32,73 +37,174 @@ TEST(GemmPlan, BucketsCoverEveryTokenCount) {
   for (std::size_t i = 1; i < b.size(); ++i) EXPECT_LT(b[i - 1], b[i]);
 }
 
-struct GemmCase {
-  std::int64_t tokens, in, out;
-  bool bias;
-  std::size_t offset;  // element offset of w, out and bias
+/// A GEMM element type (the GEMM's T; TF32 is a mode of fp32, tested with the layer).
+std::vector<qbl_test::DType> gemm_types() {
+  return {qbl_test::DType::fp32, qbl_test::DType::bf16, qbl_test::DType::fp16};
+}
+
+/// Calls f(T{}) for the element type `t` names.
+template <typename F>
+void with_type(qbl_test::DType t, F&& f) {
+  switch (t) {
+    case qbl_test::DType::fp32:
+    case qbl_test::DType::tf32:
+      f(float{});
+      break;
+    case qbl_test::DType::bf16:
+      f(__nv_bfloat16{});
+      break;
+    case qbl_test::DType::fp16:
+      f(__half{});
+      break;
+  }
+}
+
+/// One case of a suite over (element type x shape).
+template <typename Shape>
+struct TypedGemm {
+  qbl_test::DType type;
+  Shape shape;
 };
 
-void PrintTo(const GemmCase& c, std::ostream* os) {
-  *os << "tokens=" << c.tokens << " in=" << c.in << " out=" << c.out << " bias=" << c.bias
-      << " offset=" << c.offset;
+template <typename Shape>
+std::vector<TypedGemm<Shape>> over_gemm_types(const std::vector<Shape>& shapes) {
+  std::vector<TypedGemm<Shape>> v;
+  for (qbl_test::DType t : gemm_types())
+    for (const Shape& s : shapes) v.push_back({t, s});
+  return v;
 }
 
-class ForwardGemmDevice : public ::testing::TestWithParam<GemmCase> {};
+template <typename Shape>
+void PrintTo(const TypedGemm<Shape>& c, std::ostream* os) {
+  *os << qbl_test::dtype_name(c.type) << " " << ::testing::PrintToString(c.shape);
+}
 
-TEST_P(ForwardGemmDevice, MatchesFloat64) {
+struct TypedGemmName {
+  template <typename Shape>
+  std::string operator()(const ::testing::TestParamInfo<TypedGemm<Shape>>& i) const {
+    return std::string(qbl_test::dtype_name(i.param.type)) + "_" + shape_name(i.param.shape);
+  }
+};
+
+/// A T-valued copy of `v` (normal(0, stddev) rounded to T), as floats.
+template <typename T>
+std::vector<float> rand_t(std::size_t n, std::uint64_t seed, float stddev = 1.0f) {
+  return qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(n, seed, stddev)));
+}
+
+/// Every element written (no element still the poison) and none NaN.
+template <typename T>
+::testing::AssertionResult written_and_finite(const std::vector<T>& raw, const char* what) {
+  const ::testing::AssertionResult w = qbl_test::all_written(raw, what);
+  if (!w) return w;
+  for (std::size_t i = 0; i < raw.size(); ++i)
+    if (std::isnan(qbl_test::to_f(raw[i])))
+      return ::testing::AssertionFailure() << what << " NaN at " << i;
+  return ::testing::AssertionSuccess();
+}
+
+// ---- the forward product: out = a · wᵀ + bias ---------------------------------------------------
+
+/// A forward shape: in and out features, a bias or none, the token counts and the element offsets
+/// of w, bias and out it runs at (alignment sizeof(T) * offset, or 256 bytes for offset 0).
+struct ForwardShape {
+  std::int64_t in, out;
+  bool bias;
+  std::vector<std::int64_t> tokens;
+  std::vector<std::size_t> offsets;
+  /// cuBLASLt must serve this shape at 256-byte alignment (checked where it was measured).
+  bool cublaslt_when_aligned = false;
+};
+
+void PrintTo(const ForwardShape& s, std::ostream* os) {
+  *os << "in=" << s.in << " out=" << s.out << " bias=" << s.bias << " tokens=";
+  for (std::size_t i = 0; i < s.tokens.size(); ++i) *os << (i ? "," : "") << s.tokens[i];
+  *os << " offsets=";
+  for (std::size_t i = 0; i < s.offsets.size(); ++i) *os << (i ? "," : "") << s.offsets[i];
+}
+
+std::string shape_name(const ForwardShape& s) {
+  std::string n =
+      "in" + std::to_string(s.in) + "_out" + std::to_string(s.out) + (s.bias ? "_bias" : "_nobias");
+  if (s.tokens.size() == 1) n += "_t" + std::to_string(s.tokens[0]);
+  n += s.offsets.size() == 1 ? "_off" + std::to_string(s.offsets[0]) : "_offsets";
+  return n;
+}
+
+std::vector<ForwardShape> forward_shapes() {
+  const std::vector<std::int64_t> sweep = {1, 3, 7, 65, 217, 2047, 2049};
+  return {
+      {256, 256, true, sweep, {0}},
+      {96, 40, false, sweep, {0}},
+      {217, 65, true, {65}, {1}},
+      {128, 64, true, {300}, {4}},  // 16-byte but not 256-byte aligned (fp32)
+      {64, 128, true, {2049}, {1}},
+      {7, 3, true, {100}, {0}},
+      {1, 1, false, {5}, {1}},
+      // every alignment class: where cuBLASLt serves it, and where the fallback does
+      {96, 40, true, {65}, {0, 1, 2, 4, 8}, true},
+      {96, 40, false, {65}, {0, 1, 2, 4, 8}, true},
+  };
+}
+
+// uses_cublaslt(), asked before the run, says where run() goes; either way every element of the
+// product is within the bound of its arithmetic (the fallback kernel accumulates in fp32 too). The
+// plan is fixed at construction: asking again after the run gives the same answer. Where a shape
+// runs at several alignments, the table of what this cuBLASLt serves is printed.
+template <typename T>
+void run_forward(const ForwardShape& sh, std::uint64_t seed) {
+  const qbl_test::DType dt = qbl_test::dtype_of<T>();
+  const std::int64_t max_tokens = 2049, in = sh.in, out = sh.out;
+  GemmPlan<T> gemm(GemmSpec::linear_forward(in, out), max_tokens);
+  qbl_test::DeviceArray<unsigned char> ws(gemm.workspace_bytes());
+  const auto w = rand_t<T>(static_cast<std::size_t>(out * in), seed + 1, 0.1f);
+  const auto b = rand_t<T>(static_cast<std::size_t>(out), seed + 2);
+  std::string table;
+  for (const std::int64_t tokens : sh.tokens) {
+    const auto a = rand_t<T>(static_cast<std::size_t>(tokens * in), seed + tokens);
+    const auto want = qbl_test::linear_values(a, w, sh.bias ? b.data() : nullptr, tokens, in, out);
+    for (const std::size_t off : sh.offsets) {
+      SCOPED_TRACE("tokens " + std::to_string(tokens) + " offset " + std::to_string(off));
+      const std::size_t align = off == 0 ? 256 : sizeof(T) * (off & (~off + 1));
+      qbl_test::DeviceArray<T> da(a.size()), dw(w.size() + off), db(b.size() + off),
+          dout(static_cast<std::size_t>(tokens * out) + off);
+      QBL_ASSERT_CUDA(qbl_test::to_device(da.get(), qbl_test::convert<T>(a)));
+      QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(off), qbl_test::convert<T>(w)));
+      QBL_ASSERT_CUDA(qbl_test::to_device(db.get(off), qbl_test::convert<T>(b)));
+      QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, dout.size() * sizeof(T)));
+      const T* bias = sh.bias ? db.get(off) : nullptr;
+      const bool lt = gemm.uses_cublaslt(dw.get(off), da.get(), dout.get(off), bias, tokens);
+      gemm.run(dw.get(off), da.get(), dout.get(off), bias, tokens, 0.0f, ws.get(), nullptr);
+      QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+      std::vector<T> got(static_cast<std::size_t>(tokens * out));
+      QBL_ASSERT_CUDA(qbl_test::to_host(got, dout.get(off)));
+      table += " " + std::to_string(align) + "B:" + (lt ? "cuBLASLt" : "fallback");
+      if (off == 0 && sh.cublaslt_when_aligned) {
+        EXPECT_TRUE(lt) << "no algorithm for 256-byte-aligned pointers";
+      }
+      EXPECT_EQ(lt, gemm.uses_cublaslt(dw.get(off), da.get(), dout.get(off), bias, tokens));
+      ASSERT_TRUE(written_and_finite(got, "out"));
+      EXPECT_TRUE(qbl_test::within_dot_bounds(qbl_test::GemmArithmetic::of(dt),
+                                              in + (sh.bias ? 1 : 0), qbl_test::widen(got), want,
+                                              "out", qbl_test::max_finite(dt)));
+    }
+  }
+  if (sh.offsets.size() > 1)
+    std::printf("[ %s %s ] GEMM at alignment:%s\n", qbl_test::dtype_name(dt),
+                shape_name(sh).c_str(), table.c_str());
+}
+
+class ForwardGemmDevice : public ::testing::TestWithParam<TypedGemm<ForwardShape>> {};
+
+TEST_P(ForwardGemmDevice, EveryElementWithinTheBound) {
   QBL_REQUIRE_GPU();
-  const auto [tokens, in, out, has_bias, off] = GetParam();
   const std::uint64_t seed = qbl_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const std::int64_t max_tokens = 2049;
-  auto a = qbl_test::randn(static_cast<std::size_t>(tokens * in), seed);
-  auto w = qbl_test::randn(static_cast<std::size_t>(out * in), seed + 1, 0.05f);
-  auto b = qbl_test::randn(static_cast<std::size_t>(out), seed + 2);
-  qbl_test::DeviceArray<float> da(a.size()), dw(w.size() + off), db(b.size() + off),
-      dout(static_cast<std::size_t>(tokens * out) + off);
-  QBL_ASSERT_CUDA(qbl_test::to_device(da.get(), a));
-  QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(off), w));
-  QBL_ASSERT_CUDA(qbl_test::to_device(db.get(off), b));
-  QBL_ASSERT_CUDA(
-      cudaMemset(dout.get(), qbl_test::poison_byte, (tokens * out + off) * sizeof(float)));
-
-  GemmPlan<float> gemm(GemmSpec::linear_forward(in, out), max_tokens);
-  qbl_test::DeviceArray<unsigned char> ws(gemm.workspace_bytes());
-  gemm.run(dw.get(off), da.get(), dout.get(off), has_bias ? db.get(off) : nullptr, tokens, 0.0f,
-           ws.get(), nullptr);
-  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-  std::vector<float> got(static_cast<std::size_t>(tokens * out));
-  QBL_ASSERT_CUDA(qbl_test::to_host(got, dout.get(off)));
-  const auto want =
-      qbl_test::linear_reference(a, w, has_bias ? b.data() : nullptr, tokens, in, out);
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    ASSERT_FALSE(std::isnan(got[i])) << "element " << i << " unwritten or NaN";
-  }
-  EXPECT_LT(qbl_test::relative_error(got, want), 1e-5);
+  with_type(GetParam().type, [&](auto t) { run_forward<decltype(t)>(GetParam().shape, seed); });
 }
 
-std::vector<GemmCase> gemm_cases() {
-  std::vector<GemmCase> c;
-  for (std::int64_t t : {1, 3, 7, 65, 217, 2047, 2049}) {
-    c.push_back({t, 256, 256, true, 0});
-    c.push_back({t, 96, 40, false, 0});
-  }
-  c.push_back({65, 217, 65, true, 1});
-  c.push_back({300, 128, 64, true, 4});  // 16-byte but not 256-byte aligned
-  c.push_back({2049, 64, 128, true, 1});
-  c.push_back({100, 7, 3, true, 0});
-  c.push_back({5, 1, 1, false, 1});
-  return c;
-}
-
-INSTANTIATE_TEST_SUITE_P(Shapes, ForwardGemmDevice, ::testing::ValuesIn(gemm_cases()),
-                         [](const ::testing::TestParamInfo<GemmCase>& i) {
-                           return "t" + std::to_string(i.param.tokens) + "_in" +
-                                  std::to_string(i.param.in) + "_out" +
-                                  std::to_string(i.param.out) +
-                                  (i.param.bias ? "_bias" : "_nobias") + "_off" +
-                                  std::to_string(i.param.offset);
-                         });
+INSTANTIATE_TEST_SUITE_P(Shapes, ForwardGemmDevice,
+                         ::testing::ValuesIn(over_gemm_types(forward_shapes())), TypedGemmName{});
 
 // The selection rule alone (CPU): cuBLASLt's first choice stays unless a later candidate is 10 %
 // faster than the best so far; a failed candidate (+inf) never wins.
@@ -152,203 +258,140 @@ TEST(ForwardGemmDevice, AutotuneRecordsEveryBucketAndComputesTheProduct) {
     tuned.run(dw.get(), da.get(), dout.get(), db.get(), tokens, 0.0f, ws.get());
     std::vector<float> got(static_cast<std::size_t>(tokens * out));
     QBL_ASSERT_CUDA(qbl_test::to_host(got, dout.get()));
-    const auto want = qbl_test::linear_reference(a, w, b.data(), tokens, in, out);
-    EXPECT_LT(qbl_test::relative_error(got, want), 1e-5) << "tokens " << tokens;
+    EXPECT_TRUE(qbl_test::within_dot_bounds(
+        qbl_test::GemmArithmetic::of(qbl_test::DType::fp32), in + 1, got,
+        qbl_test::linear_values(a, w, b.data(), tokens, in, out), "out"))
+        << "tokens " << tokens;
   }
   o.autotune = false;
   GemmPlan<float> plain(GemmSpec::linear_forward(in, out), max_tokens, o);
   EXPECT_TRUE(plain.tuning().empty());
 }
 
-// ---- every element type at every pointer alignment ------------------------------------------
+// ---- the backward's products: dgrad g_a = g · w, wgrad g_w = gᵀ · a -----------------------------
 
-template <typename T>
-const char* type_name() {
-  return std::is_same_v<T, float> ? "fp32" : (std::is_same_v<T, __half> ? "fp16" : "bf16");
+/// A backward shape: tokens, in and out features.
+struct BackwardShape {
+  std::int64_t tokens, in, out;
+  /// cuBLASLt must serve both products at 256-byte alignment (checked where it was measured).
+  bool cublaslt_when_aligned = false;
+};
+
+void PrintTo(const BackwardShape& s, std::ostream* os) {
+  *os << "tokens=" << s.tokens << " in=" << s.in << " out=" << s.out;
 }
 
-template <typename T>
-class ForwardGemmTyped : public ::testing::Test {};
-using GemmTypes = ::testing::Types<float, __nv_bfloat16, __half>;
-struct GemmTypeNames {
-  template <typename T>
-  static std::string GetName(int) {
-    return type_name<T>();
-  }
-};
-TYPED_TEST_SUITE(ForwardGemmTyped, GemmTypes, GemmTypeNames);
+std::string shape_name(const BackwardShape& s) {
+  return "t" + std::to_string(s.tokens) + "_in" + std::to_string(s.in) + "_out" +
+         std::to_string(s.out);
+}
 
-// w, bias and out start `off` elements into their allocations (alignment sizeof(T) * off, or
-// 256 bytes for off == 0). uses_cublaslt(), asked before the run, says where run() goes; either
-// way the product is as accurate as the exact product rounded to T allows (the fallback kernel
-// accumulates in fp32 too). The table of what this cuBLASLt serves is printed.
-TYPED_TEST(ForwardGemmTyped, EveryAlignmentRunsOnCublasltOrTheFallback) {
-  QBL_REQUIRE_GPU();
-  using T = TypeParam;
-  const std::uint64_t seed = qbl_test::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  const std::int64_t tokens = 65, in = 96, out = 40;
-  const auto a = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(tokens * in, seed)));
-  const auto w = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(out * in, seed + 1, 0.1f)));
-  const auto b = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(out, seed + 2)));
-  GemmPlan<T> gemm(GemmSpec::linear_forward(in, out), 128);
-  qbl_test::DeviceArray<unsigned char> ws(gemm.workspace_bytes());
-  for (const bool has_bias : {true, false}) {
-    std::string table;
-    for (const std::size_t off : {0, 1, 2, 4, 8}) {
-      const std::size_t align = off == 0 ? 256 : sizeof(T) * (off & (~off + 1));
-      SCOPED_TRACE(std::string(type_name<T>()) + " bias " + (has_bias ? "on" : "off") + " offset " +
-                   std::to_string(off));
-      qbl_test::DeviceArray<T> da(a.size()), dw(w.size() + off), db(b.size() + off),
-          dout(static_cast<std::size_t>(tokens * out) + off);
-      QBL_ASSERT_CUDA(qbl_test::to_device(da.get(), qbl_test::convert<T>(a)));
-      QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(off), qbl_test::convert<T>(w)));
-      QBL_ASSERT_CUDA(qbl_test::to_device(db.get(off), qbl_test::convert<T>(b)));
-      QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, dout.size() * sizeof(T)));
-      const T* bias = has_bias ? db.get(off) : nullptr;
-      const bool lt = gemm.uses_cublaslt(dw.get(off), da.get(), dout.get(off), bias, tokens);
-      gemm.run(dw.get(off), da.get(), dout.get(off), bias, tokens, 0.0f, ws.get(), nullptr);
-      QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-      std::vector<T> got(static_cast<std::size_t>(tokens * out));
-      QBL_ASSERT_CUDA(qbl_test::to_host(got, dout.get(off)));
-      table += " " + std::to_string(align) + "B:" + (lt ? "cuBLASLt" : "fallback");
-      if (off == 0) {
-        EXPECT_TRUE(lt) << "no algorithm for 256-byte-aligned pointers";
-      }
-      // The plan is fixed at construction: asking again after the run gives the same answer.
-      EXPECT_EQ(lt, gemm.uses_cublaslt(dw.get(off), da.get(), dout.get(off), bias, tokens));
-      const auto want =
-          qbl_test::linear_reference(a, w, has_bias ? b.data() : nullptr, tokens, in, out);
-      std::vector<float> rounded(want.size());
-      for (std::size_t i = 0; i < want.size(); ++i) {
-        rounded[i] = qbl_test::to_f(qbl_test::from_f<T>(static_cast<float>(want[i])));
-      }
-      const std::vector<float> gotf = qbl_test::widen(got);
-      for (std::size_t i = 0; i < gotf.size(); ++i)
-        ASSERT_FALSE(std::isnan(gotf[i])) << "unwritten " << i;
-      // fp32: the rounding of the exact product is ~1e-8; fp32 accumulation adds ~1e-7.
-      const double best = qbl_test::relative_error(rounded, want);
-      EXPECT_LE(qbl_test::relative_error(gotf, want), 1.5 * best + 1e-6)
-          << "best possible " << best;
-    }
-    std::printf("[ %s bias %s ] GEMM at alignment:%s\n", type_name<T>(), has_bias ? "on " : "off",
-                table.c_str());
-  }
+std::vector<BackwardShape> backward_shapes() {
+  return {{67, 48, 40, true}, {67, 1, 40}, {217, 65, 3}};
 }
 
 // The backward's two products through GemmPlan: dgrad (NN, g_a = g · w) and wgrad (NT,
-// g_w = gᵀ · a, with BGRADB's bias gradient), at several alignments, overwriting and
-// accumulating (beta = 1), against float64 products of the T-valued operands, on cuBLASLt or
-// the fallback kernel (and column sum) as uses_cublaslt() says; in_features == 1 takes the
-// product to cuBLASLt and the bias gradient to the column sum.
+// g_w = gᵀ · a), at element offsets 0 and 1, wgrad overwriting and accumulating (beta = 1),
+// against float64 products of the T-valued operands, on cuBLASLt or the fallback kernel as
+// uses_cublaslt() says; in_features == 1 makes wgrad's m = 1. wgrad has no vector epilogue (the
+// bias gradient is qbl::bias_grad's column sum): a vector is refused before anything runs.
 template <typename T>
-class GemmPlanTyped : public ::testing::Test {};
-TYPED_TEST_SUITE(GemmPlanTyped, GemmTypes, GemmTypeNames);
-
-TYPED_TEST(GemmPlanTyped, DgradAndWgradMatchFloat64) {
-  QBL_REQUIRE_GPU();
-  using T = TypeParam;
-  const std::uint64_t seed = qbl_test::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  for (const std::int64_t in : {48, 1}) {
-    SCOPED_TRACE("in_features " + std::to_string(in));
-    const std::int64_t tokens = 67, out = 40;
-    const auto g = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(tokens * out, seed)));
-    const auto w = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(out * in, seed + 1, 0.2f)));
-    const auto a = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(tokens * in, seed + 2)));
-    const auto old_w = qbl_test::widen(qbl_test::convert<T>(qbl_test::randn(out * in, seed + 3)));
-    // float64 references: dgrad[t, i] = sum_o g[t, o] w[o, i]; wgrad[o, i] = sum_t g[t, o] a[t, i];
-    // bgrad[o] = sum_t g[t, o].
-    std::vector<double> dgrad(tokens * in, 0.0), wgrad(out * in, 0.0), bgrad(out, 0.0);
-    for (std::int64_t t = 0; t < tokens; ++t)
-      for (std::int64_t o = 0; o < out; ++o) {
-        const double gv = g[t * out + o];
-        bgrad[o] += gv;
-        for (std::int64_t i = 0; i < in; ++i) {
-          dgrad[t * in + i] += gv * w[o * in + i];
-          wgrad[o * in + i] += gv * a[t * in + i];
-        }
-      }
-    // fp32: accumulation error ~1e-6; 16-bit: one rounding of T (2^-9 relative for bf16) dominates.
-    const double tol = std::is_same_v<T, float> ? 1e-5 : (std::is_same_v<T, __half> ? 2e-3 : 8e-3);
-    qbl::GemmPlan<T> dplan(qbl::GemmSpec::linear_dgrad(in, out), 128);
-    qbl::GemmPlan<T> wplan(qbl::GemmSpec::linear_wgrad(in, out), 128);
-    qbl_test::DeviceArray<unsigned char> ws(dplan.workspace_bytes());
-    for (const std::size_t off : {0, 1}) {
-      SCOPED_TRACE("offset " + std::to_string(off));
-      qbl_test::DeviceArray<T> dg(g.size() + off), dw(w.size() + off), da(a.size() + off),
-          dd(a.size() + off), dwg(w.size() + off), dbg(static_cast<std::size_t>(out) + off);
-      QBL_ASSERT_CUDA(qbl_test::to_device(dg.get(off), qbl_test::convert<T>(g)));
-      QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(off), qbl_test::convert<T>(w)));
-      QBL_ASSERT_CUDA(qbl_test::to_device(da.get(off), qbl_test::convert<T>(a)));
-      auto check = [&](const T* d, std::size_t n, const std::vector<double>& want,
-                       const char* what) {
-        std::vector<T> got(n);
-        ASSERT_EQ(qbl_test::to_host(got, d), cudaSuccess);
-        const auto gotf = qbl_test::widen(got);
-        for (std::size_t i = 0; i < n; ++i)
-          ASSERT_FALSE(std::isnan(gotf[i])) << what << " unwritten " << i;
-        EXPECT_LT(qbl_test::relative_error(gotf, want), tol) << what;
-      };
-      auto untouched = [&](const T* d, std::size_t n, const char* what) {
-        std::vector<unsigned char> bytes(n * sizeof(T));
-        ASSERT_EQ(cudaMemcpy(bytes.data(), d, bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-        for (std::size_t i = 0; i < bytes.size(); ++i)
-          ASSERT_EQ(bytes[i], qbl_test::poison_byte) << what << " byte " << i;
-      };
-      // dgrad: A = w, B = g, D = g_a.
-      QBL_ASSERT_CUDA(cudaMemset(dd.get(), qbl_test::poison_byte, dd.size() * sizeof(T)));
-      const bool d_lt = dplan.uses_cublaslt(dw.get(off), dg.get(off), dd.get(off), nullptr, tokens);
-      dplan.run(dw.get(off), dg.get(off), dd.get(off), nullptr, tokens, 0.0f, ws.get());
-      QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-      if (off == 0 && in > 1) {
-        EXPECT_TRUE(d_lt);
-      }
-      check(dd.get(off), a.size(), dgrad, "dgrad");
-      // wgrad with the bias gradient, overwriting, then accumulating onto old_w.
-      for (const float beta : {0.0f, 1.0f}) {
-        SCOPED_TRACE(beta == 0.0f ? "overwrite" : "accumulate");
-        QBL_ASSERT_CUDA(cudaMemset(dbg.get(), qbl_test::poison_byte, dbg.size() * sizeof(T)));
-        if (beta == 0.0f) {
-          QBL_ASSERT_CUDA(cudaMemset(dwg.get(), qbl_test::poison_byte, dwg.size() * sizeof(T)));
-        } else {
-          QBL_ASSERT_CUDA(qbl_test::to_device(dwg.get(off), qbl_test::convert<T>(old_w)));
-        }
-        const bool w_lt =
-            wplan.uses_cublaslt(da.get(off), dg.get(off), dwg.get(off), dbg.get(off), tokens);
-        wplan.run(da.get(off), dg.get(off), dwg.get(off), dbg.get(off), tokens, beta, ws.get());
-        QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-        if (off == 0 && in > 1) {
-          EXPECT_TRUE(w_lt);
-        }
-        // The epilogue is never planned for a single row (see GemmPlan's constructor).
-        if (in == 1) {
-          EXPECT_FALSE(w_lt);
-        }
-        std::vector<double> want = wgrad;
-        if (beta != 0.0f)
-          for (std::size_t i = 0; i < want.size(); ++i) want[i] += old_w[i];
-        check(dwg.get(off), w.size(), want, "wgrad");
-        check(dbg.get(off), static_cast<std::size_t>(out), bgrad, "bgrad (BGRADB)");
-      }
-      // Without the vector, the vector is not written.
-      QBL_ASSERT_CUDA(cudaMemset(dbg.get(), qbl_test::poison_byte, dbg.size() * sizeof(T)));
-      wplan.run(da.get(off), dg.get(off), dwg.get(off), nullptr, tokens, 0.0f, ws.get());
-      QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-      untouched(dbg.get(), dbg.size(), "bgrad without a vector");
-      check(dwg.get(off), w.size(), wgrad, "wgrad without the epilogue");
+void run_backward(const BackwardShape& sh, std::uint64_t seed) {
+  const qbl_test::DType dt = qbl_test::dtype_of<T>();
+  const qbl_test::GemmArithmetic arith = qbl_test::GemmArithmetic::of(dt);
+  const std::int64_t tokens = sh.tokens, in = sh.in, out = sh.out;
+  const auto g = rand_t<T>(static_cast<std::size_t>(tokens * out), seed);
+  const auto w = rand_t<T>(static_cast<std::size_t>(out * in), seed + 1, 0.2f);
+  const auto a = rand_t<T>(static_cast<std::size_t>(tokens * in), seed + 2);
+  const auto old_w = rand_t<T>(static_cast<std::size_t>(out * in), seed + 3);
+  const auto dgrad = qbl_test::dgrad_values(g, w, tokens, in, out);
+  qbl::GemmPlan<T> dplan(qbl::GemmSpec::linear_dgrad(in, out), 128);
+  qbl::GemmPlan<T> wplan(qbl::GemmSpec::linear_wgrad(in, out), 128);
+  qbl_test::DeviceArray<unsigned char> ws(dplan.workspace_bytes());
+  for (const std::size_t off : {0, 1}) {
+    SCOPED_TRACE("offset " + std::to_string(off));
+    qbl_test::DeviceArray<T> dg(g.size() + off), dw(w.size() + off), da(a.size() + off),
+        dd(a.size() + off), dwg(w.size() + off), dbg(static_cast<std::size_t>(out) + off);
+    QBL_ASSERT_CUDA(qbl_test::to_device(dg.get(off), qbl_test::convert<T>(g)));
+    QBL_ASSERT_CUDA(qbl_test::to_device(dw.get(off), qbl_test::convert<T>(w)));
+    QBL_ASSERT_CUDA(qbl_test::to_device(da.get(off), qbl_test::convert<T>(a)));
+    auto read = [&](const T* d, std::size_t n) {
+      std::vector<T> r(n);
+      EXPECT_EQ(qbl_test::to_host(r, d), cudaSuccess);
+      return r;
+    };
+    // dgrad: A = w, B = g, D = g_a.
+    QBL_ASSERT_CUDA(cudaMemset(dd.get(), qbl_test::poison_byte, dd.size() * sizeof(T)));
+    const bool d_lt = dplan.uses_cublaslt(dw.get(off), dg.get(off), dd.get(off), nullptr, tokens);
+    dplan.run(dw.get(off), dg.get(off), dd.get(off), nullptr, tokens, 0.0f, ws.get());
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    if (off == 0 && sh.cublaslt_when_aligned) {
+      EXPECT_TRUE(d_lt);
     }
+    const auto got_d = read(dd.get(off), a.size());
+    ASSERT_TRUE(written_and_finite(got_d, "dgrad"));
+    EXPECT_TRUE(qbl_test::within_dot_bounds(arith, out, qbl_test::widen(got_d), dgrad, "dgrad",
+                                            qbl_test::max_finite(dt)));
+    // wgrad, overwriting, then accumulating onto old_w.
+    for (const float beta : {0.0f, 1.0f}) {
+      SCOPED_TRACE(beta == 0.0f ? "overwrite" : "accumulate");
+      if (beta == 0.0f) {
+        QBL_ASSERT_CUDA(cudaMemset(dwg.get(), qbl_test::poison_byte, dwg.size() * sizeof(T)));
+      } else {
+        QBL_ASSERT_CUDA(qbl_test::to_device(dwg.get(off), qbl_test::convert<T>(old_w)));
+      }
+      const bool w_lt =
+          wplan.uses_cublaslt(da.get(off), dg.get(off), dwg.get(off), nullptr, tokens);
+      wplan.run(da.get(off), dg.get(off), dwg.get(off), nullptr, tokens, beta, ws.get());
+      QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+      if (off == 0 && sh.cublaslt_when_aligned) {
+        EXPECT_TRUE(w_lt);
+      }
+      const auto got_w = read(dwg.get(off), w.size());
+      ASSERT_TRUE(written_and_finite(got_w, "wgrad"));
+      EXPECT_TRUE(qbl_test::within_dot_bounds(
+          arith, tokens + (beta != 0.0f ? 1 : 0), qbl_test::widen(got_w),
+          qbl_test::wgrad_values(g, a, beta != 0.0f ? old_w.data() : nullptr, tokens, in, out),
+          "wgrad", qbl_test::max_finite(dt)));
+    }
+    // A vector for wgrad's spec, which has no epilogue: refused before anything is enqueued.
+    QBL_ASSERT_CUDA(cudaMemset(dbg.get(), qbl_test::poison_byte, dbg.size() * sizeof(T)));
+    QBL_ASSERT_CUDA(cudaMemset(dwg.get(), qbl_test::poison_byte, dwg.size() * sizeof(T)));
+    EXPECT_THROW(
+        wplan.run(da.get(off), dg.get(off), dwg.get(off), dbg.get(off), tokens, 0.0f, ws.get()),
+        qbl::invalid_argument);
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    for (const T& v : read(dbg.get(), dbg.size()))
+      ASSERT_TRUE(qbl_test::is_poison(v)) << "the refused call wrote the vector";
+    for (const T& v : read(dwg.get(), dwg.size()))
+      ASSERT_TRUE(qbl_test::is_poison(v)) << "the refused call wrote the product";
   }
 }
+
+class BackwardGemmDevice : public ::testing::TestWithParam<TypedGemm<BackwardShape>> {};
+
+TEST_P(BackwardGemmDevice, DgradAndWgradWithinTheBound) {
+  QBL_REQUIRE_GPU();
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  with_type(GetParam().type, [&](auto t) { run_backward<decltype(t)>(GetParam().shape, seed); });
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, BackwardGemmDevice,
+                         ::testing::ValuesIn(over_gemm_types(backward_shapes())), TypedGemmName{});
 
 TEST(GemmPlan, RejectsBadSpecsBeforeTouchingCuda) {
   EXPECT_THROW(qbl::GemmPlan<float>(qbl::GemmSpec::linear_dgrad(0, 4), 4), qbl::invalid_argument);
   EXPECT_THROW(qbl::GemmPlan<float>(qbl::GemmSpec::linear_wgrad(4, 0), 4), qbl::invalid_argument);
   EXPECT_THROW(qbl::GemmPlan<float>(qbl::GemmSpec::linear_wgrad(4, 4), 0), qbl::invalid_argument);
-  // BGRADB sums op(B) over k: only for a transposed B (row-major [k, n]).
-  qbl::GemmSpec bgradb = qbl::GemmSpec::linear_dgrad(4, 4);
-  bgradb.vector_epilogue = CUBLASLT_EPILOGUE_BGRADB;
-  EXPECT_THROW(qbl::GemmPlan<float>(bgradb, 4), qbl::invalid_argument);
+  // The vector epilogue is BIAS or none: the bias gradient is qbl::bias_grad's column sum, so
+  // BGRADB is refused for every spec, the weight gradient's included.
+  for (qbl::GemmSpec bgradb :
+       {qbl::GemmSpec::linear_dgrad(4, 4), qbl::GemmSpec::linear_wgrad(4, 4)}) {
+    bgradb.vector_epilogue = CUBLASLT_EPILOGUE_BGRADB;
+    EXPECT_THROW(qbl::GemmPlan<float>(bgradb, 4), qbl::invalid_argument);
+  }
+  EXPECT_EQ(qbl::GemmSpec::linear_wgrad(4, 4).vector_epilogue, CUBLASLT_EPILOGUE_DEFAULT);
   // The token count must be a stored column count: n with B transposed is not, nor is k with A
   // transposed or B not transposed.
   qbl::GemmSpec bad = qbl::GemmSpec::linear_dgrad(4, 4);

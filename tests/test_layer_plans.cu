@@ -1,22 +1,47 @@
 // qbl/layer_plans.cuh: the forward and backward plans used directly, with the caller's workspace
-// -- the same bits as qbl::QuantBlendLinear, a workspace that needs no initialization, one plan
-// pair serving two streams on two threads at once (each with its own workspace) as it serves
-// them one after the other, and the choices a backward plan makes from its shape.
+// and side streams -- the same bits as qbl::QuantBlendLinear, the workspace sizes they report,
+// the choices a backward plan makes from its shape, every argument check (each throwing its type
+// before anything is launched), moved-from plans and side streams, and what an immutable plan
+// promises: one plan pair serving two threads and streams at once, each with its own workspace
+// and qbl::SideStream, wgrad beside dgrad on both, with the bits of serial runs -- also while one
+// thread captures a CUDA graph and the other keeps running.
 #include <qbl/layer_plans.cuh>
 #include <qbl/quant_blend_linear.cuh>
 
 #include "test_support.hpp"
+#include "test_support_device.cuh"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
 #include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
 
+using qbl_test::bits;
 using Fwd = qbl::ForwardPlan<float>;
 using Bwd = qbl::BackwardPlan<float>;
 
-/// One layer's inputs and outputs on the device.
+static_assert(!std::is_copy_constructible_v<Fwd> && !std::is_copy_assignable_v<Fwd>);
+static_assert(!std::is_copy_constructible_v<Bwd> && !std::is_copy_assignable_v<Bwd>);
+static_assert(!std::is_copy_constructible_v<qbl::SideStream> &&
+              !std::is_copy_assignable_v<qbl::SideStream>);
+static_assert(std::is_nothrow_move_constructible_v<Bwd> &&
+              std::is_nothrow_move_constructible_v<qbl::SideStream>);
+static_assert(
+    std::is_same_v<qbl::BackwardPlan<float, __nv_bfloat16, float>::gemm_type, __nv_bfloat16> &&
+    std::is_same_v<qbl::ForwardPlan<float, __half, __half>::logits_type, __half>);
+
+/// One layer's inputs and outputs on the device (fp32).
 struct Problem {
   std::int64_t tokens, in, out;
   qbl_test::DeviceArray<float> x, l, w, b, y, mixed, stats, go, gx, gl, gw, gb;
@@ -36,11 +61,15 @@ struct Problem {
         gl(t),
         gw(o * i),
         gb(o) {
-    EXPECT_EQ(qbl_test::to_device(x.get(), qbl_test::randn(t * i, seed)), cudaSuccess);
-    EXPECT_EQ(qbl_test::to_device(l.get(), qbl_test::randn(t, seed + 1, 2.0f)), cudaSuccess);
+    upload(seed);
     EXPECT_EQ(qbl_test::to_device(w.get(), qbl_test::randn(o * i, seed + 2, 0.05f)), cudaSuccess);
     EXPECT_EQ(qbl_test::to_device(b.get(), qbl_test::randn(o, seed + 3)), cudaSuccess);
-    EXPECT_EQ(qbl_test::to_device(go.get(), qbl_test::randn(t * o, seed + 4)), cudaSuccess);
+  }
+  /// New x, logits and grad_out.
+  void upload(std::uint64_t seed) {
+    EXPECT_EQ(qbl_test::to_device(x.get(), qbl_test::randn(tokens * in, seed)), cudaSuccess);
+    EXPECT_EQ(qbl_test::to_device(l.get(), qbl_test::randn(tokens, seed + 1, 2.0f)), cudaSuccess);
+    EXPECT_EQ(qbl_test::to_device(go.get(), qbl_test::randn(tokens * out, seed + 4)), cudaSuccess);
   }
   Fwd::Arguments forward_args() {
     Fwd::Arguments a;
@@ -55,10 +84,17 @@ struct Problem {
     a.grad_x = gx.get(), a.grad_logits = gl.get(), a.grad_weight = gw.get(), a.grad_bias = gb.get();
     return a;
   }
+  /// The forward's outputs and the backward's, in this order.
+  std::vector<qbl_test::DeviceArray<float>*> all() {
+    return {&y, &mixed, &stats, &gx, &gl, &gw, &gb};
+  }
+  std::vector<qbl_test::DeviceArray<float>*> gradients() { return {&gx, &gl, &gw, &gb}; }
   /// Every output, as raw floats.
-  std::vector<std::vector<float>> outputs(cudaStream_t s = nullptr) {
+  std::vector<std::vector<float>> outputs(cudaStream_t s = nullptr) { return read(all(), s); }
+  static std::vector<std::vector<float>> read(const std::vector<qbl_test::DeviceArray<float>*>& v,
+                                              cudaStream_t s) {
     std::vector<std::vector<float>> r;
-    for (auto* a : {&y, &mixed, &stats, &gx, &gl, &gw, &gb}) {
+    for (auto* a : v) {
       r.emplace_back(a->size());
       EXPECT_EQ(cudaMemcpyAsync(r.back().data(), a->get(), a->size() * sizeof(float),
                                 cudaMemcpyDeviceToHost, s),
@@ -68,9 +104,22 @@ struct Problem {
     return r;
   }
   void poison() {
-    for (auto* a : {&y, &mixed, &stats, &gx, &gl, &gw, &gb})
+    for (auto* a : all())
       EXPECT_EQ(cudaMemset(a->get(), qbl_test::poison_byte, a->size() * sizeof(float)),
                 cudaSuccess);
+  }
+  /// Every gradient output still holds the poison, byte for byte.
+  ::testing::AssertionResult gradients_untouched() {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const char* names[] = {"grad_x", "grad_logits", "grad_weight", "grad_bias"};
+    int k = 0;
+    for (const auto& v : read(gradients(), nullptr)) {
+      for (std::size_t i = 0; i < v.size(); ++i)
+        if (!qbl_test::is_poison(v[i]))
+          return ::testing::AssertionFailure() << names[k] << " written at " << i;
+      ++k;
+    }
+    return ::testing::AssertionSuccess();
   }
 };
 
@@ -84,12 +133,66 @@ struct Workspace {
   void* get() const { return buf.get(); }
 };
 
-// The plans with a caller's workspace compute what the owning class computes, bit for bit, and
-// the workspace sizes are what the plans say (QuantBlendLinear's is the larger of the two).
+/// A non-blocking stream that destroys itself.
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess); }
+  ~Stream() { cudaStreamDestroy(s); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+
+bool same_bytes(const std::vector<std::vector<float>>& a,
+                const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() ||
+        std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0)
+      return false;
+  return true;
+}
+
+const char* const output_names[] = {"out",         "mixed",       "stats",    "grad_x",
+                                    "grad_logits", "grad_weight", "grad_bias"};
+
+// ---- workspace sizes (CPU) ----------------------------------------------------------------------
+
+// The sizes, counted here by hand from the layouts the headers document, each part 256-byte
+// aligned. Forward: the amax kernel's per-block maxima (4096 bytes), then the cuBLASLt workspace.
+// Backward: one cuBLASLt workspace where wgrad never runs beside dgrad, two where it may; the
+// column sum's partials (64 ranges of `out` floats); g_mixed, [tokens, in] in the GEMM's type.
+TEST(LayerPlans, WorkspaceQueriesCountEveryPart) {
+  auto up = [](std::size_t b) { return (b + 255) / 256 * 256; };
+  qbl::Options o;
+  o.cublas_workspace_bytes = 1000;
+  EXPECT_EQ(Fwd::workspace_bytes_for(1000), 4096u + 1000u);
+  EXPECT_EQ((qbl::ForwardPlan<float, __half, __half>::workspace_bytes_for(1000)), 4096u + 1000u);
+  o.overlap_wgrad = qbl::Choice::no;
+  const std::size_t one = up(1000) + up(64 * 8 * 4) + up(64 * 10 * 4);
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), one);
+  o.overlap_wgrad = qbl::Choice::yes;
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), one + up(1000));
+  // g_mixed scales with the token count asked for (capped at max_tokens); bf16 halves it.
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 3, o),
+            one + up(1000) - up(64 * 10 * 4) + up(64 * 3 * 4));
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 100, o), one + up(1000));
+  EXPECT_EQ((qbl::BackwardPlan<float, __nv_bfloat16>::workspace_bytes_for(64, 8, 10, 10, o)),
+            up(1000) * 2 + up(64 * 8 * 4) + up(64 * 10 * 2));
+  // by_shape puts wgrad beside dgrad at every shape measured so far: two workspaces.
+  o.overlap_wgrad = qbl::Choice::by_shape;
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), one + up(1000));
+}
+
+// ---- the plans against the owning class ---------------------------------------------------------
+
+// The plans with a caller's workspace and side stream compute what the owning class computes, bit
+// for bit, and the workspace sizes are what the plans say (QuantBlendLinear's is the larger of
+// the two).
 TEST(LayerPlans, PlansWithACallersWorkspaceEqualTheOwningClass) {
   QBL_REQUIRE_GPU();
   const std::uint64_t seed = qbl_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
+  qbl::SideStream side;
   for (const qbl::Choice overlap : {qbl::Choice::yes, qbl::Choice::no}) {
     SCOPED_TRACE(overlap == qbl::Choice::yes ? "wgrad beside dgrad" : "wgrad after dgrad");
     Problem p(700, 384, 160, seed), q(700, 384, 160, seed);
@@ -99,13 +202,14 @@ TEST(LayerPlans, PlansWithACallersWorkspaceEqualTheOwningClass) {
     const Bwd bwd(p.in, p.out, 1024, o);
     EXPECT_EQ(bwd.overlaps(p.tokens), overlap == qbl::Choice::yes);
     EXPECT_EQ(bwd.workspace_bytes(), Bwd::workspace_bytes_for(p.in, p.out, 1024, 1024, o));
+    EXPECT_EQ(fwd.workspace_bytes(), Fwd::workspace_bytes_for(o.cublas_workspace_bytes));
     EXPECT_LT(bwd.workspace_bytes(p.tokens), bwd.workspace_bytes());
     Workspace ws(std::max(fwd.workspace_bytes(), bwd.workspace_bytes(p.tokens)));
     p.poison();
     ASSERT_TRUE(fwd.supports(p.forward_args()));
     ASSERT_TRUE(bwd.supports(p.backward_args()));
     fwd.run(p.forward_args(), ws.get());
-    bwd.run(p.backward_args(), ws.get());
+    bwd.run(p.backward_args(), ws.get(), &side);
     const auto got = p.outputs();
     o.backward = true;
     qbl::QuantBlendLinear<float> layer(q.in, q.out, 1024, o);
@@ -117,70 +221,15 @@ TEST(LayerPlans, PlansWithACallersWorkspaceEqualTheOwningClass) {
     layer.forward(fa);
     layer.backward(q.backward_args());
     const auto want = q.outputs();
-    const char* names[] = {"out",         "mixed",       "stats",    "grad_x",
-                           "grad_logits", "grad_weight", "grad_bias"};
     for (std::size_t i = 0; i < want.size(); ++i)
-      EXPECT_TRUE(qbl_test::bits_equal(got[i], want[i])) << names[i];
+      EXPECT_TRUE(qbl_test::bits_equal(got[i], want[i])) << output_names[i];
   }
 }
 
-// Plans are immutable: one pair serves two host threads, each with its own stream and workspace,
-// at once -- wgrad forked to the plan's second stream from both -- and each thread's results equal
-// the serial run of its inputs, every repetition.
-TEST(LayerPlans, OnePlanPairServesTwoStreamsAtOnce) {
-  QBL_REQUIRE_GPU();
-  const std::uint64_t seed = qbl_test::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  qbl::Options o;
-  o.overlap_wgrad = qbl::Choice::yes;
-  const std::int64_t tokens = 512, in = 256, out = 192;
-  const Fwd fwd(in, out, tokens, o);
-  const Bwd bwd(in, out, tokens, o);
-  Problem a(tokens, in, out, seed), b(tokens, in, out, seed + 100);
-  Workspace wa(std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
-  Workspace wb(std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
-  std::vector<std::vector<std::vector<float>>> serial;
-  for (auto [p, w] : {std::pair<Problem*, Workspace*>{&a, &wa}, {&b, &wb}}) {
-    p->poison();
-    fwd.run(p->forward_args(), w->get());
-    bwd.run(p->backward_args(), w->get());
-    serial.push_back(p->outputs());
-  }
-  EXPECT_FALSE(qbl_test::bits_equal(serial[0][3], serial[1][3])) << "different inputs, same grad_x";
-  const char* env = std::getenv("QBL_CONCURRENCY_REPS");
-  const int reps = env != nullptr && *env != '\0' ? std::atoi(env) : 50;
-  int mismatches[2] = {0, 0};
-  std::vector<std::thread> threads;
-  for (int j = 0; j < 2; ++j) {
-    threads.emplace_back([&, j] {
-      Problem& p = j == 0 ? a : b;
-      Workspace& w = j == 0 ? wa : wb;
-      cudaStream_t s = nullptr;
-      if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
-        mismatches[j] = -1;
-        return;
-      }
-      for (int rep = 0; rep < reps; ++rep) {
-        fwd.run(p.forward_args(), w.get(), s);
-        bwd.run(p.backward_args(), w.get(), s);
-        const auto got = p.outputs(s);
-        bool same = true;
-        for (std::size_t i = 0; i < got.size(); ++i)
-          same = same && std::memcmp(got[i].data(), serial[j][i].data(),
-                                     got[i].size() * sizeof(float)) == 0;
-        mismatches[j] += !same;
-      }
-      cudaStreamDestroy(s);
-    });
-  }
-  for (auto& t : threads) t.join();
-  EXPECT_EQ(mismatches[0], 0);
-  EXPECT_EQ(mismatches[1], 0);
-}
+// ---- the plan's choices -------------------------------------------------------------------------
 
-// What a backward plan decides from its shape (the measured rules of qbl/detail/layer_plans.inl):
-// wgrad beside dgrad -- at every shape measured so far -- and the bias gradient from qbl's
-// column sum, unless forced to the epilogue. Options force either.
+// What a backward plan decides from its shape (the rule of qbl/detail/layer_plans.inl): wgrad
+// beside dgrad at every shape measured so far. Options force either way.
 TEST(LayerPlans, TheBackwardPlanChoosesByShapeUnlessForced) {
   QBL_REQUIRE_GPU();
   const Bwd small(256, 256, 64);
@@ -188,16 +237,19 @@ TEST(LayerPlans, TheBackwardPlanChoosesByShapeUnlessForced) {
   const Bwd model(1024, 4096, 8192);
   EXPECT_TRUE(model.overlaps(1));
   EXPECT_TRUE(model.overlaps(8192));
-  EXPECT_FALSE(model.bias_from_epilogue());
   qbl::Options o;
   o.overlap_wgrad = qbl::Choice::no;
-  o.bias_from_epilogue = qbl::Choice::yes;
   const Bwd forced(256, 256, 64, o);
   EXPECT_FALSE(forced.overlaps(1));
-  EXPECT_TRUE(forced.bias_from_epilogue());
+  o.overlap_wgrad = qbl::Choice::yes;
+  const Bwd beside(256, 256, 64, o);
+  EXPECT_TRUE(beside.overlaps(64));
   // Without a second stream the backward needs one cuBLASLt workspace, not two.
   EXPECT_EQ(small.workspace_bytes() - forced.workspace_bytes(), std::size_t{32} << 20);
+  EXPECT_EQ(beside.workspace_bytes(), small.workspace_bytes());
 }
+
+// ---- arguments ----------------------------------------------------------------------------------
 
 // A moved-from plan refuses to run (and says so without throwing through supports()).
 TEST(LayerPlans, MovedFromPlansRefuseToRun) {
@@ -208,13 +260,594 @@ TEST(LayerPlans, MovedFromPlansRefuseToRun) {
   Fwd f2 = std::move(fwd);
   Bwd b2 = std::move(bwd);
   Workspace ws(std::max(f2.workspace_bytes(), b2.workspace_bytes()));
+  qbl::SideStream side;
   EXPECT_FALSE(fwd.supports(p.forward_args()));
   EXPECT_FALSE(bwd.supports(p.backward_args()));
   EXPECT_THROW(fwd.run(p.forward_args(), ws.get()), qbl::logic_error);
-  EXPECT_THROW(bwd.run(p.backward_args(), ws.get()), qbl::logic_error);
+  EXPECT_THROW(bwd.run(p.backward_args(), ws.get(), &side), qbl::logic_error);
+  EXPECT_THROW(fwd.local_amax(p.x.get(), p.tokens, p.stats.get()), qbl::logic_error);
   EXPECT_TRUE(f2.supports(p.forward_args()));
   EXPECT_NO_THROW(f2.run(p.forward_args(), ws.get()));
+  EXPECT_TRUE(b2.supports(p.backward_args()));
+  EXPECT_NO_THROW(b2.run(p.backward_args(), ws.get(), &side));
   QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+}
+
+// tokens == 0 does nothing, whatever the pointers; so does a backward that wants no output.
+TEST(LayerPlans, NothingToDoIsANoOp) {
+  QBL_REQUIRE_GPU();
+  Problem p(16, 32, 8, qbl_test::fresh_seed());
+  const Fwd fwd(p.in, p.out, 16);
+  const Bwd bwd(p.in, p.out, 16);
+  Workspace ws(std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
+  p.poison();
+  EXPECT_NO_THROW(fwd.run(Fwd::Arguments{}, nullptr));
+  EXPECT_NO_THROW(bwd.run(Bwd::Arguments{}, nullptr, nullptr));
+  Bwd::Arguments none = p.backward_args();
+  none.grad_x = nullptr, none.grad_logits = nullptr, none.grad_weight = nullptr;
+  none.grad_bias = nullptr;
+  EXPECT_NO_THROW(bwd.run(none, nullptr, nullptr));
+  Bwd::Arguments zero = p.backward_args();
+  zero.tokens = 0;
+  EXPECT_NO_THROW(bwd.run(zero, ws.get(), nullptr));
+  EXPECT_TRUE(p.gradients_untouched());
+}
+
+template <typename P>
+P* odd(P* p) {
+  return reinterpret_cast<P*>(reinterpret_cast<char*>(p) + 1);
+}
+template <typename P>
+const P* odd(const P* p) {
+  return reinterpret_cast<const P*>(reinterpret_cast<const char*>(p) + 1);
+}
+
+template <typename T>
+class ForwardPlanArguments : public ::testing::Test {};
+TYPED_TEST_SUITE(ForwardPlanArguments, qbl_test::SupportedTypes, qbl_test::SupportedTypeNames);
+
+// One table of argument changes, for every supported type triple: each case is the full forward
+// with one argument changed, throwing its type before anything is launched -- out, mixed and
+// stats keep their poison -- and supports() says no to the same arguments. A pointer offset by
+// one byte is misaligned for every type.
+TYPED_TEST(ForwardPlanArguments, EveryBadArgumentThrowsItsTypeAndWritesNothing) {
+  QBL_REQUIRE_GPU();
+  using X = typename TypeParam::x_type;
+  using G = typename TypeParam::gemm_type;
+  using Lg = typename TypeParam::logits_type;
+  using Plan = qbl::ForwardPlan<X, G, Lg>;
+  using Args = typename Plan::Arguments;
+  const std::int64_t tokens = 300, in = 128, out = 64;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  qbl_test::DeviceArray<X> x(tokens * in + 8);
+  qbl_test::DeviceArray<Lg> l(tokens + 8);
+  qbl_test::DeviceArray<G> w(out * in + 8), b(out + 8), y(tokens * out + 8), m(tokens * in + 8);
+  qbl_test::DeviceArray<float> st(8);
+  QBL_ASSERT_CUDA(
+      qbl_test::to_device(x.get(), qbl_test::convert<X>(qbl_test::randn(tokens * in, seed))));
+  QBL_ASSERT_CUDA(
+      qbl_test::to_device(l.get(), qbl_test::convert<Lg>(qbl_test::randn(tokens, seed + 1))));
+  QBL_ASSERT_CUDA(
+      qbl_test::to_device(w.get(), qbl_test::convert<G>(qbl_test::randn(out * in, seed + 2))));
+  QBL_ASSERT_CUDA(
+      qbl_test::to_device(b.get(), qbl_test::convert<G>(qbl_test::randn(out, seed + 3))));
+  enum Expect { invalid, range };
+  struct Case {
+    const char* name;
+    std::function<void(Args&)> change;
+    Expect expect;
+  };
+  G *W = w.get(), *M = m.get();
+  const std::vector<Case> cases = {
+      {"null x", [](Args& a) { a.x = nullptr; }, invalid},
+      {"null logits", [](Args& a) { a.logits = nullptr; }, invalid},
+      {"null weight", [](Args& a) { a.weight = nullptr; }, invalid},
+      {"null out", [](Args& a) { a.out = nullptr; }, invalid},
+      {"misaligned x", [](Args& a) { a.x = odd(a.x); }, invalid},
+      {"misaligned logits", [](Args& a) { a.logits = odd(a.logits); }, invalid},
+      {"misaligned weight", [](Args& a) { a.weight = odd(a.weight); }, invalid},
+      {"misaligned bias", [](Args& a) { a.bias = odd(a.bias); }, invalid},
+      {"misaligned out", [](Args& a) { a.out = odd(a.out); }, invalid},
+      {"negative tokens", [](Args& a) { a.tokens = -1; }, invalid},
+      {"tokens > max_tokens", [](Args& a) { a.tokens = 513; }, range},
+      {"unknown amax source", [](Args& a) { a.amax_source = static_cast<qbl::AmaxSource>(7); },
+       invalid},
+      {"out overlaps x", [](Args& a) { a.out = reinterpret_cast<G*>(const_cast<X*>(a.x) + 64); },
+       invalid},
+      {"out overlaps weight", [W](Args& a) { a.out = W + 4; }, invalid},
+      {"out overlaps logits",
+       [](Args& a) { a.out = reinterpret_cast<G*>(const_cast<Lg*>(a.logits)); }, invalid},
+      {"out overlaps bias", [](Args& a) { a.out = const_cast<G*>(a.bias); }, invalid},
+      {"null mixed", [](Args& a) { a.mixed = nullptr; }, invalid},
+      {"null stats", [](Args& a) { a.stats = nullptr; }, invalid},
+      {"misaligned mixed", [](Args& a) { a.mixed = odd(a.mixed); }, invalid},
+      {"misaligned stats", [](Args& a) { a.stats = odd(a.stats); }, invalid},
+      {"mixed overlaps x", [](Args& a) { a.mixed = reinterpret_cast<G*>(const_cast<X*>(a.x)); },
+       invalid},
+      {"mixed overlaps out", [](Args& a) { a.mixed = a.out + 1; }, invalid},
+      {"stats in weight", [W](Args& a) { a.stats = reinterpret_cast<float*>(W); }, invalid},
+      {"stats in mixed", [M](Args& a) { a.stats = reinterpret_cast<float*>(M); }, invalid},
+  };
+  Plan plan(in, out, 512);
+  Workspace ws(plan.workspace_bytes());
+  auto poison_and_check = [&](bool check) {
+    for (auto [p, n] : {std::pair<void*, std::size_t>{y.get(), y.size() * sizeof(G)},
+                        {m.get(), m.size() * sizeof(G)},
+                        {st.get(), st.size() * sizeof(float)}}) {
+      if (!check) {
+        QBL_ASSERT_CUDA(cudaMemset(p, qbl_test::poison_byte, n));
+        continue;
+      }
+      std::vector<unsigned char> bytes(n);
+      QBL_ASSERT_CUDA(cudaMemcpy(bytes.data(), p, n, cudaMemcpyDeviceToHost));
+      for (std::size_t i = 0; i < n; ++i)
+        ASSERT_EQ(bytes[i], qbl_test::poison_byte) << "written at byte " << i;
+    }
+  };
+  auto good = [&] {
+    Args a;
+    a.x = x.get(), a.logits = l.get(), a.weight = W, a.bias = b.get();
+    a.out = y.get(), a.mixed = M, a.stats = st.get(), a.tokens = tokens;
+    return a;
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    for (const qbl::AmaxSource source : {qbl::AmaxSource::x, qbl::AmaxSource::stats}) {
+      SCOPED_TRACE(source == qbl::AmaxSource::x ? "amax from x" : "amax from stats");
+      Args args = good();
+      args.amax_source = source;
+      c.change(args);
+      poison_and_check(false);
+      EXPECT_FALSE(plan.supports(args));
+      if (c.expect == invalid) {
+        EXPECT_THROW(plan.run(args, ws.get()), qbl::invalid_argument);
+      } else {
+        EXPECT_THROW(plan.run(args, ws.get()), qbl::out_of_range);
+      }
+      QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+      poison_and_check(true);
+    }
+  }
+  {
+    SCOPED_TRACE("null workspace");
+    poison_and_check(false);
+    EXPECT_TRUE(plan.supports(good()));
+    EXPECT_THROW(plan.run(good(), nullptr), qbl::invalid_argument);
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    poison_and_check(true);
+  }
+  {
+    SCOPED_TRACE("use after move");
+    poison_and_check(false);
+    Plan taken = std::move(plan);
+    EXPECT_FALSE(plan.supports(good()));
+    EXPECT_THROW(plan.run(good(), ws.get()), qbl::logic_error);
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    poison_and_check(true);
+  }
+}
+
+// The backward's table (fp32): each case is the full backward (all four gradients) with one
+// argument changed, throwing its type before anything is launched -- every gradient output keeps
+// its poison, x and weight their values -- and supports() says no to the same arguments.
+TEST(BackwardPlanArguments, EveryBadArgumentThrowsItsTypeAndTouchesNothing) {
+  QBL_REQUIRE_GPU();
+  using Args = Bwd::Arguments;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  Problem p(300, 128, 64, seed);
+  const std::int64_t max_tokens = 512;
+  const Fwd fwd(p.in, p.out, max_tokens);
+  const Bwd bwd(p.in, p.out, max_tokens);
+  Workspace ws(std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
+  qbl::SideStream side;
+  p.poison();
+  fwd.run(p.forward_args(), ws.get());
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  struct Case {
+    const char* name;
+    std::function<void(Args&)> change;
+    enum { invalid, range } expect;
+  };
+  float *X = p.x.get(), *L = p.l.get(), *W = p.w.get(), *GO = p.go.get(), *M = p.mixed.get(),
+        *S = p.stats.get();
+  const std::vector<Case> cases = {
+      {"null grad_out", [](Args& a) { a.grad_out = nullptr; }, Case::invalid},
+      {"null weight, grad_x wanted", [](Args& a) { a.weight = nullptr; }, Case::invalid},
+      {"null logits, grad_x wanted", [](Args& a) { a.logits = nullptr; }, Case::invalid},
+      {"null weight, grad_logits wanted", [](Args& a) { a.weight = nullptr, a.grad_x = nullptr; },
+       Case::invalid},
+      {"null logits, grad_logits wanted", [](Args& a) { a.logits = nullptr, a.grad_x = nullptr; },
+       Case::invalid},
+      {"null x, grad_logits wanted", [](Args& a) { a.x = nullptr; }, Case::invalid},
+      {"null stats, grad_x wanted", [](Args& a) { a.stats = nullptr; }, Case::invalid},
+      {"null mixed, grad_weight wanted", [](Args& a) { a.mixed = nullptr; }, Case::invalid},
+      {"misaligned grad_out", [](Args& a) { a.grad_out = odd(a.grad_out); }, Case::invalid},
+      {"misaligned x", [](Args& a) { a.x = odd(a.x); }, Case::invalid},
+      {"misaligned weight", [](Args& a) { a.weight = odd(a.weight); }, Case::invalid},
+      {"misaligned mixed", [](Args& a) { a.mixed = odd(a.mixed); }, Case::invalid},
+      {"misaligned stats", [](Args& a) { a.stats = odd(a.stats); }, Case::invalid},
+      {"misaligned grad_x", [](Args& a) { a.grad_x = odd(a.grad_x); }, Case::invalid},
+      {"misaligned grad_weight", [](Args& a) { a.grad_weight = odd(a.grad_weight); },
+       Case::invalid},
+      {"misaligned grad_bias", [](Args& a) { a.grad_bias = odd(a.grad_bias); }, Case::invalid},
+      {"negative tokens", [](Args& a) { a.tokens = -1; }, Case::invalid},
+      {"tokens > max_tokens", [&](Args& a) { a.tokens = max_tokens + 1; }, Case::range},
+      {"grad_x is x", [X](Args& a) { a.grad_x = X; }, Case::invalid},
+      {"grad_x overlaps grad_out", [GO](Args& a) { a.grad_x = GO + 100; }, Case::invalid},
+      {"grad_logits is logits", [L](Args& a) { a.grad_logits = L; }, Case::invalid},
+      {"grad_weight is weight", [W](Args& a) { a.grad_weight = W; }, Case::invalid},
+      {"grad_weight overlaps mixed", [M](Args& a) { a.grad_weight = M + 7; }, Case::invalid},
+      {"grad_bias overlaps stats", [S](Args& a) { a.grad_bias = S; }, Case::invalid},
+      {"grad_bias inside grad_weight", [](Args& a) { a.grad_bias = a.grad_weight + 10; },
+       Case::invalid},
+      {"grad_logits inside grad_x", [](Args& a) { a.grad_logits = a.grad_x + 3; }, Case::invalid},
+  };
+  ASSERT_EQ(cases.size(), 26u);
+  std::vector<float> x_before(p.x.size()), w_before(p.w.size());
+  QBL_ASSERT_CUDA(qbl_test::to_host(x_before, p.x.get()));
+  QBL_ASSERT_CUDA(qbl_test::to_host(w_before, p.w.get()));
+  auto expect_untouched = [&] {
+    EXPECT_TRUE(p.gradients_untouched());
+    std::vector<float> x(x_before.size()), w(w_before.size());
+    QBL_ASSERT_CUDA(qbl_test::to_host(x, p.x.get()));
+    QBL_ASSERT_CUDA(qbl_test::to_host(w, p.w.get()));
+    EXPECT_TRUE(qbl_test::bits_equal(x, x_before)) << "x changed";
+    EXPECT_TRUE(qbl_test::bits_equal(w, w_before)) << "weight changed";
+  };
+  auto poison = [&] {
+    for (auto* a : p.gradients())
+      QBL_ASSERT_CUDA(cudaMemset(a->get(), qbl_test::poison_byte, a->size() * sizeof(float)));
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    for (qbl::SideStream* s : {&side, static_cast<qbl::SideStream*>(nullptr)}) {
+      SCOPED_TRACE(s != nullptr ? "with a side stream" : "without a side stream");
+      poison();
+      Args args = p.backward_args();
+      c.change(args);
+      EXPECT_FALSE(bwd.supports(args)) << "supports() accepted what run() must reject";
+      if (c.expect == Case::invalid) {
+        EXPECT_THROW(bwd.run(args, ws.get(), s), qbl::invalid_argument);
+      } else {
+        EXPECT_THROW(bwd.run(args, ws.get(), s), qbl::out_of_range);
+      }
+      expect_untouched();
+    }
+  }
+  {
+    SCOPED_TRACE("null workspace");
+    poison();
+    EXPECT_TRUE(bwd.supports(p.backward_args()));
+    EXPECT_THROW(bwd.run(p.backward_args(), nullptr, &side), qbl::invalid_argument);
+    expect_untouched();
+  }
+}
+
+// ---- side streams -------------------------------------------------------------------------------
+
+/// A backward problem with the forward already run, and the serial backward's results (no side
+/// stream: wgrad after dgrad).
+struct SideStreamSetup {
+  Problem p;
+  qbl::Options o;
+  Fwd fwd;
+  Bwd bwd;
+  Workspace ws;
+  std::vector<std::vector<float>> serial;
+  explicit SideStreamSetup(std::uint64_t seed)
+      : p(64, 96, 40, seed),
+        o(overlapping()),
+        fwd(p.in, p.out, p.tokens, o),
+        bwd(p.in, p.out, p.tokens, o),
+        ws(std::max(fwd.workspace_bytes(), bwd.workspace_bytes())) {
+    p.poison();
+    fwd.run(p.forward_args(), ws.get());
+    bwd.run(p.backward_args(), ws.get(), nullptr);
+    serial = Problem::read(p.gradients(), nullptr);
+  }
+  static qbl::Options overlapping() {
+    qbl::Options o;
+    o.overlap_wgrad = qbl::Choice::yes;
+    return o;
+  }
+  void poison_gradients() {
+    for (auto* a : p.gradients())
+      EXPECT_EQ(cudaMemset(a->get(), qbl_test::poison_byte, a->size() * sizeof(float)),
+                cudaSuccess);
+  }
+};
+
+// A moved-from qbl::SideStream is refused with qbl::invalid_argument before anything is launched;
+// the one it moved into serves, with the serial run's bits.
+TEST(LayerPlans, AMovedFromSideStreamIsRefusedBeforeLaunching) {
+  QBL_REQUIRE_GPU();
+  SideStreamSetup t(qbl_test::fresh_seed());
+  ASSERT_TRUE(t.bwd.overlaps(t.p.tokens));
+  qbl::SideStream a;
+  EXPECT_TRUE(a.valid());
+  qbl::SideStream b = std::move(a);
+  EXPECT_FALSE(a.valid());
+  EXPECT_TRUE(b.valid());
+  t.poison_gradients();
+  EXPECT_THROW(t.bwd.run(t.p.backward_args(), t.ws.get(), &a), qbl::invalid_argument);
+  EXPECT_TRUE(t.p.gradients_untouched());
+  qbl::SideStream c;
+  c = std::move(b);
+  EXPECT_FALSE(b.valid());
+  EXPECT_THROW(t.bwd.run(t.p.backward_args(), t.ws.get(), &b), qbl::invalid_argument);
+  EXPECT_TRUE(t.p.gradients_untouched());
+  t.bwd.run(t.p.backward_args(), t.ws.get(), &c);
+  const auto got = Problem::read(t.p.gradients(), nullptr);
+  for (std::size_t i = 0; i < got.size(); ++i)
+    EXPECT_TRUE(qbl_test::bits_equal(got[i], t.serial[i])) << output_names[3 + i];
+}
+
+// A side stream made on another device is refused with qbl::invalid_argument before anything is
+// launched. Needs two devices.
+TEST(LayerPlans, ASideStreamOfAnotherDeviceIsRefusedBeforeLaunching) {
+  QBL_REQUIRE_GPU();
+  int count = 0;
+  QBL_ASSERT_CUDA(cudaGetDeviceCount(&count));
+  if (count < 2) GTEST_SKIP() << "needs two CUDA devices, this machine has " << count;
+  QBL_ASSERT_CUDA(cudaSetDevice(0));
+  SideStreamSetup t(qbl_test::fresh_seed());
+  ASSERT_TRUE(t.bwd.overlaps(t.p.tokens));
+  QBL_ASSERT_CUDA(cudaSetDevice(1));
+  std::unique_ptr<qbl::SideStream> other = std::make_unique<qbl::SideStream>();
+  QBL_ASSERT_CUDA(cudaSetDevice(0));
+  EXPECT_EQ(other->device(), 1);
+  EXPECT_EQ(t.bwd.device(), 0);
+  t.poison_gradients();
+  EXPECT_THROW(t.bwd.run(t.p.backward_args(), t.ws.get(), other.get()), qbl::invalid_argument);
+  EXPECT_TRUE(t.p.gradients_untouched());
+  QBL_ASSERT_CUDA(cudaSetDevice(1));
+  other.reset();
+  QBL_ASSERT_CUDA(cudaSetDevice(0));
+}
+
+// ---- one plan pair, two threads and streams -----------------------------------------------------
+
+// Plans are immutable: one pair serves two host threads at once, each with its own stream,
+// workspace and qbl::SideStream -- wgrad forked to each thread's own side stream -- and each
+// thread's results, every repetition, equal the serial run of its inputs without a side stream
+// (wgrad after dgrad).
+TEST(LayerPlans, TwoStreamsWithTheirOwnSideStreamsMatchSerialRuns) {
+  QBL_REQUIRE_GPU();
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  qbl::Options o;
+  o.overlap_wgrad = qbl::Choice::yes;
+  const std::int64_t tokens = 512, in = 256, out = 192;
+  const Fwd fwd(in, out, tokens, o);
+  const Bwd bwd(in, out, tokens, o);
+  ASSERT_TRUE(bwd.overlaps(tokens));
+  Problem a(tokens, in, out, seed), b(tokens, in, out, seed + 100);
+  Workspace wa(std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
+  Workspace wb(std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
+  std::vector<std::vector<std::vector<float>>> serial;
+  for (auto [p, w] : {std::pair<Problem*, Workspace*>{&a, &wa}, {&b, &wb}}) {
+    p->poison();
+    fwd.run(p->forward_args(), w->get());
+    bwd.run(p->backward_args(), w->get(), nullptr);
+    serial.push_back(p->outputs());
+  }
+  EXPECT_FALSE(qbl_test::bits_equal(serial[0][3], serial[1][3])) << "different inputs, same grad_x";
+  int device = 0;
+  QBL_ASSERT_CUDA(cudaGetDevice(&device));
+  const char* env = std::getenv("QBL_CONCURRENCY_REPS");
+  const int reps = env != nullptr && *env != '\0' ? std::atoi(env) : 50;
+  int mismatches[2] = {0, 0}, ran[2] = {0, 0};
+  std::string errors[2];
+  std::vector<std::thread> threads;
+  for (int j = 0; j < 2; ++j) {
+    threads.emplace_back([&, j] {
+      Problem& p = j == 0 ? a : b;
+      Workspace& w = j == 0 ? wa : wb;
+      try {
+        if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice");
+        Stream s;
+        qbl::SideStream side;
+        for (int rep = 0; rep < reps; ++rep) {
+          for (auto* o : p.all())
+            if (cudaMemsetAsync(o->get(), qbl_test::poison_byte, o->size() * sizeof(float), s.s) !=
+                cudaSuccess)
+              throw std::runtime_error("cudaMemsetAsync");
+          fwd.run(p.forward_args(), w.get(), s.s);
+          bwd.run(p.backward_args(), w.get(), &side, s.s);
+          mismatches[j] += !same_bytes(p.outputs(s.s), serial[j]);
+          ++ran[j];
+        }
+      } catch (const std::exception& e) {
+        errors[j] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int j = 0; j < 2; ++j) {
+    SCOPED_TRACE("thread " + std::to_string(j));
+    EXPECT_EQ(errors[j], "");
+    EXPECT_EQ(ran[j], reps);
+    EXPECT_EQ(mismatches[j], 0);
+  }
+}
+
+/// Host memory the device copies into without staging (pinned), so that a copy to it is an
+/// asynchronous operation of its stream alone.
+struct PinnedFloats {
+  float* p = nullptr;
+  std::size_t n = 0;
+  explicit PinnedFloats(std::size_t count) : n(count) {
+    if (cudaMallocHost(&p, n * sizeof(float)) != cudaSuccess) p = nullptr;
+  }
+  ~PinnedFloats() { cudaFreeHost(p); }
+  PinnedFloats(const PinnedFloats&) = delete;
+  PinnedFloats& operator=(const PinnedFloats&) = delete;
+};
+
+// One thread captures a forward and backward on its stream A, wgrad beside dgrad on its own
+// qbl::SideStream, while another thread keeps running backwards of the same plans on stream B
+// with a second SideStream. The capture must end cleanly -- nothing of B's work enters it, and
+// nothing it captures waits on B -- B's backwards keep the serial run's bits all along, and the
+// graph, replayed with new inputs copied into the captured buffers, gives the direct serial
+// results of those inputs bit for bit. In cudaStreamCaptureModeGlobal the running thread is held
+// to capture-safe calls too: kernel and cuBLASLt launches, event records and waits on its own
+// streams, asynchronous copies to pinned memory and a synchronization of its own stream, which no
+// capture includes. Everything is allocated, and every kernel loaded, before the capture begins.
+void capture_while_another_thread_runs(cudaStreamCaptureMode mode) {
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  qbl::Options o;
+  o.overlap_wgrad = qbl::Choice::yes;
+  const std::int64_t tokens = 256, in = 192, out = 128;
+  const Fwd fwd(in, out, tokens, o);
+  const Bwd bwd(in, out, tokens, o);
+  ASSERT_TRUE(bwd.overlaps(tokens));
+  int device = 0;
+  QBL_ASSERT_CUDA(cudaGetDevice(&device));
+  Problem a(tokens, in, out, seed), b(tokens, in, out, seed + 100);
+  Workspace wa(std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
+  Workspace wb(std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
+  Stream sa, sb;
+  qbl::SideStream side_a, side_b;
+
+  // The serial runs on the default stream, after the uploads and poisons that went there.
+  // B: its forward once, then the serial backward's gradients, what B's thread must keep getting.
+  b.poison();
+  fwd.run(b.forward_args(), wb.get());
+  bwd.run(b.backward_args(), wb.get(), nullptr);
+  const auto want_b = Problem::read(b.gradients(), nullptr);
+  // A: the direct serial results of three input sets (x, logits and grad_out), kept on the device
+  // for the replays.
+  constexpr int sets = 3;
+  std::vector<std::unique_ptr<qbl_test::DeviceArray<float>>> xs, ls, gos;
+  std::vector<std::vector<std::vector<float>>> want_a;
+  for (int k = 0; k < sets; ++k) {
+    a.upload(seed + 1000 * (k + 1));
+    a.poison();
+    fwd.run(a.forward_args(), wa.get());
+    bwd.run(a.backward_args(), wa.get(), nullptr);
+    want_a.push_back(a.outputs());
+    for (auto [dst, src] : {std::pair{&xs, &a.x}, {&ls, &a.l}, {&gos, &a.go}}) {
+      dst->push_back(std::make_unique<qbl_test::DeviceArray<float>>(src->size()));
+      QBL_ASSERT_CUDA(cudaMemcpy(dst->back()->get(), src->get(), src->size() * sizeof(float),
+                                 cudaMemcpyDeviceToDevice));
+    }
+  }
+  EXPECT_FALSE(qbl_test::bits_equal(want_a[0][3], want_a[1][3])) << "different inputs, same grad_x";
+  // Streams A and B are non-blocking: nothing orders them after the default stream's work but
+  // this synchronization. Then both side streams are used once outside any capture.
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  bwd.run(a.backward_args(), wa.get(), &side_a, sa.s);
+  bwd.run(b.backward_args(), wb.get(), &side_b, sb.s);
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_TRUE(same_bytes(Problem::read(b.gradients(), nullptr), want_b));
+  std::vector<std::unique_ptr<PinnedFloats>> host_b;
+  for (auto* g : b.gradients()) {
+    host_b.push_back(std::make_unique<PinnedFloats>(g->size()));
+    ASSERT_NE(host_b.back()->p, nullptr);
+  }
+
+  // B's thread: backwards until told to stop, each checked against the serial result.
+  std::atomic<bool> stop{false};
+  std::atomic<int> done{0};
+  int mismatches = 0;
+  std::string error;
+  std::thread runner([&] {
+    try {
+      if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice");
+      const auto grads = b.gradients();
+      while (!stop.load()) {
+        for (auto* g : grads)
+          if (cudaMemsetAsync(g->get(), qbl_test::poison_byte, g->size() * sizeof(float), sb.s) !=
+              cudaSuccess)
+            throw std::runtime_error("cudaMemsetAsync on B");
+        bwd.run(b.backward_args(), wb.get(), &side_b, sb.s);
+        for (std::size_t i = 0; i < grads.size(); ++i)
+          if (cudaMemcpyAsync(host_b[i]->p, grads[i]->get(), grads[i]->size() * sizeof(float),
+                              cudaMemcpyDeviceToHost, sb.s) != cudaSuccess)
+            throw std::runtime_error("cudaMemcpyAsync on B");
+        const cudaError_t e = cudaStreamSynchronize(sb.s);
+        if (e != cudaSuccess)
+          throw std::runtime_error(std::string("cudaStreamSynchronize(B): ") + cudaGetErrorName(e));
+        bool same = true;
+        for (std::size_t i = 0; i < grads.size(); ++i)
+          same = same &&
+                 std::memcmp(host_b[i]->p, want_b[i].data(), want_b[i].size() * sizeof(float)) == 0;
+        mismatches += !same;
+        done.fetch_add(1);
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    done.fetch_add(1 << 20);  // wakes a waiting capture thread whatever happened
+  });
+  // Waits (no CUDA call) until the runner has finished `n` more backwards, or failed, or 300 s
+  // have passed (generous: under compute-sanitizer a backward takes seconds).
+  auto wait_for = [&](int n) {
+    const int target = (done.load() & ((1 << 20) - 1)) + n;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
+    while (done.load() < target && done.load() < (1 << 20) &&
+           std::chrono::steady_clock::now() < deadline)
+      std::this_thread::yield();
+    return done.load() >= target && done.load() < (1 << 20);
+  };
+
+  // The capture, on this thread, while the runner runs: held open until the runner has finished
+  // two more backwards.
+  const bool running = wait_for(1);
+  EXPECT_TRUE(running) << "the other thread never completed a backward: " << error;
+  cudaGraph_t graph = nullptr;
+  cudaError_t begin = cudaStreamBeginCapture(sa.s, mode), end = cudaErrorUnknown;
+  EXPECT_EQ(begin, cudaSuccess);
+  bool overlapped = false;
+  if (begin == cudaSuccess) {
+    std::string thrown;
+    try {
+      fwd.run(a.forward_args(), wa.get(), sa.s);
+      bwd.run(a.backward_args(), wa.get(), &side_a, sa.s);
+    } catch (const std::exception& e) {
+      thrown = e.what();
+    }
+    overlapped = running && wait_for(2);
+    end = cudaStreamEndCapture(sa.s, &graph);
+    EXPECT_EQ(thrown, "") << "a plan threw inside the capture";
+  }
+  stop = true;
+  runner.join();
+  EXPECT_EQ(end, cudaSuccess) << "the capture broke: " << cudaGetErrorName(end);
+  EXPECT_TRUE(overlapped) << "the other thread did not finish two backwards during the capture";
+  EXPECT_EQ(error, "") << "the other thread failed";
+  EXPECT_EQ(mismatches, 0) << "of " << (done.load() & ((1 << 20) - 1)) << " backwards on B";
+  cudaGetLastError();
+  if (graph == nullptr) return;
+  cudaGraphExec_t exec = nullptr;
+  QBL_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 2 * sets; ++rep) {
+    const int k = rep % sets;
+    SCOPED_TRACE("replay " + std::to_string(rep) + ", input set " + std::to_string(k));
+    for (auto [dst, src] : {std::pair{&a.x, &xs}, {&a.l, &ls}, {&a.go, &gos}})
+      QBL_ASSERT_CUDA(cudaMemcpyAsync(dst->get(), (*src)[k]->get(), dst->size() * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, sa.s));
+    for (auto* o : a.all())
+      QBL_ASSERT_CUDA(
+          cudaMemsetAsync(o->get(), qbl_test::poison_byte, o->size() * sizeof(float), sa.s));
+    QBL_ASSERT_CUDA(cudaGraphLaunch(exec, sa.s));
+    const auto got = a.outputs(sa.s);
+    for (std::size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(qbl_test::bits_equal(got[i], want_a[k][i])) << output_names[i];
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST(LayerPlans, GraphCapturedInThreadLocalModeWhileAnotherThreadRunsBackwards) {
+  QBL_REQUIRE_GPU();
+  capture_while_another_thread_runs(cudaStreamCaptureModeThreadLocal);
+}
+
+TEST(LayerPlans, GraphCapturedInGlobalModeWhileAnotherThreadRunsBackwards) {
+  QBL_REQUIRE_GPU();
+  capture_while_another_thread_runs(cudaStreamCaptureModeGlobal);
 }
 
 }  // namespace

@@ -1,9 +1,10 @@
-// The forward split at the amax (QuantBlendLinear::forward_local_amax + forward_from_amax), for
-// sharded inputs: the two steps equal the fused forward bit for bit, and shards of x -- along the
-// tokens or along the features -- reduced with an unsigned integer MAX of amax's bits (what an
-// NCCL all-reduce of ncclUint32 / ncclMax computes) give the unsharded layer's `mixed` and
-// statistics bit for bit, NaN included. The shards run on one device here; the reduction is a
-// one-thread kernel standing in for the collective.
+// The forward split at the amax (QuantBlendLinear::forward_local_amax, then forward() with
+// ForwardArgs::amax_source = qbl::AmaxSource::stats), for sharded inputs: the two steps equal the
+// fused forward bit for bit, and shards of x -- along the tokens or along the features -- reduced
+// with an unsigned integer MAX of amax's bits (what an NCCL all-reduce of ncclUint32 / ncclMax
+// computes) give the unsharded layer's `mixed` and statistics bit for bit, NaN included. The
+// shards run on one device here; the reduction is a one-thread kernel standing in for the
+// collective.
 #include <qbl/quant_blend_linear.cuh>
 
 #include "reference.hpp"
@@ -113,6 +114,15 @@ void fused(qbl::QuantBlendLinear<T>& layer, Buffers<T>& r, std::int64_t tokens) 
   layer.forward(args_of(r, tokens));
 }
 
+/// The split forward's second step: the forward from the amax in stats[0].
+template <typename T>
+void from_stats(qbl::QuantBlendLinear<T>& layer, Buffers<T>& r, std::int64_t tokens,
+                cudaStream_t stream = nullptr) {
+  auto a = args_of(r, tokens);
+  a.amax_source = qbl::AmaxSource::stats;
+  layer.forward(a, stream);
+}
+
 TYPED_TEST(ShardedForward, SplitStepsEqualTheFusedForwardBitForBit) {
   QBL_REQUIRE_GPU();
   using T = TypeParam;
@@ -129,7 +139,7 @@ TYPED_TEST(ShardedForward, SplitStepsEqualTheFusedForwardBitForBit) {
       Buffers<T> want(p), got(p);
       fused(layer, want, p.tokens);
       layer.forward_local_amax(got.x.get(), p.tokens, got.stats.get());
-      layer.forward_from_amax(args_of(got, p.tokens));
+      from_stats(layer, got, p.tokens);
       QBL_ASSERT_CUDA(cudaDeviceSynchronize());
       EXPECT_TRUE(qbl_test::bits_equal(Buffers<T>::host(got.stats), Buffers<T>::host(want.stats)));
       EXPECT_TRUE(
@@ -202,7 +212,7 @@ TYPED_TEST(ShardedForward, ShardsWithTheMaxOfTheirAmaxBitsEqualTheUnshardedLayer
       QBL_ASSERT_CUDA(max_bits(d_list.get(), static_cast<int>(parts.size()), nullptr));
       for (std::size_t s = 0; s < parts.size(); ++s) {
         Buffers<T>& r = *runs[s];
-        layers[s]->forward_from_amax(args_of(r, parts[s].tokens));
+        from_stats(*layers[s], r, parts[s].tokens);
       }
       QBL_ASSERT_CUDA(cudaDeviceSynchronize());
       for (std::size_t s = 0; s < parts.size(); ++s) {
@@ -271,11 +281,13 @@ TEST(ShardedForwardEdges, CapturedStepsReplayTheDirectResult) {
   auto steps = [&](Buffers<float>& r, float* const* list) {
     layer.forward_local_amax(r.x.get(), p.tokens, r.stats.get(), s);
     EXPECT_EQ(max_bits(list, 1, s), cudaSuccess);
-    layer.forward_from_amax(args_of(r, p.tokens), s);
+    from_stats(layer, r, p.tokens, s);
   };
   qbl_test::DeviceArray<float*> l1(1), l2(1);
   QBL_ASSERT_CUDA(qbl_test::to_device(l1.get(), std::vector<float*>{direct.stats.get()}));
   QBL_ASSERT_CUDA(qbl_test::to_device(l2.get(), std::vector<float*>{graphed.stats.get()}));
+  // s is non-blocking: only a synchronization orders it after the default stream's uploads.
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
   steps(direct, l1.get());
   QBL_ASSERT_CUDA(cudaStreamSynchronize(s));
   QBL_ASSERT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));

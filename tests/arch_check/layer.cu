@@ -34,7 +34,8 @@ void qbl_arch_check_run(const X* x, const L* logits, const G* w, const G* b, G* 
   f.stats = stats, f.tokens = 16;
   layer.forward(f, stream);
   layer.forward_local_amax(x, 16, stats, stream);
-  layer.forward_from_amax(f, stream);
+  f.amax_source = qbl::AmaxSource::stats;
+  layer.forward(f, stream);
   Layer::BackwardArguments g;
   g.grad_out = grad_out, g.x = x, g.logits = logits, g.weight = w, g.mixed = mixed;
   g.stats = stats, g.tokens = 16, g.grad_x = grad_x;
