@@ -4,7 +4,10 @@
 // before anything is launched), moved-from plans and side streams, and what an immutable plan
 // promises: one plan pair serving two threads and streams at once, each with its own workspace
 // and qbl::SideStream, wgrad beside dgrad on both, with the bits of serial runs -- also while one
-// thread captures a CUDA graph and the other keeps running.
+// thread captures a CUDA graph and the other keeps running. And the plans with an input activation
+// against the identity plans fed act(h), and a backward that recomputes mixed against one that
+// reads it, bit for bit, each with a workspace of exactly what it asks for.
+#include <qbl/activation.cuh>
 #include <qbl/layer_plans.cuh>
 #include <qbl/quant_blend_linear.cuh>
 
@@ -160,7 +163,9 @@ const char* const output_names[] = {"out",         "mixed",       "stats",    "g
 // The sizes, counted here by hand from the layouts the headers document, each part 256-byte
 // aligned. Forward: the amax kernel's per-block maxima (4096 bytes), then the cuBLASLt workspace.
 // Backward: one cuBLASLt workspace where wgrad never runs beside dgrad, two where it may; the
-// column sum's partials (64 ranges of `out` floats); g_mixed, [tokens, in] in the GEMM's type.
+// column sum's partials (64 ranges of `out` floats); g_mixed, [tokens, in] in the GEMM's type;
+// and, where mixed is recomputed, room for it ([tokens, in] in the GEMM's type) -- wgrad then
+// runs after dgrad, so one cuBLASLt workspace. The query without arguments is the larger.
 TEST(LayerPlans, WorkspaceQueriesCountEveryPart) {
   auto up = [](std::size_t b) { return (b + 255) / 256 * 256; };
   qbl::Options o;
@@ -169,18 +174,21 @@ TEST(LayerPlans, WorkspaceQueriesCountEveryPart) {
   EXPECT_EQ((qbl::ForwardPlan<float, __half, __half>::workspace_bytes_for(1000)), 4096u + 1000u);
   o.overlap_wgrad = qbl::Choice::no;
   const std::size_t one = up(1000) + up(64 * 8 * 4) + up(64 * 10 * 4);
-  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), one);
+  const std::size_t recompute = one + up(64 * 10 * 4);  // + mixed, one GEMM workspace
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), std::max(one, recompute));
   o.overlap_wgrad = qbl::Choice::yes;
-  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), one + up(1000));
-  // g_mixed scales with the token count asked for (capped at max_tokens); bf16 halves it.
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), std::max(one + up(1000), recompute));
+  // g_mixed (and a recomputed mixed) scale with the token count asked for (capped at
+  // max_tokens); bf16 halves them.
   EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 3, o),
-            one + up(1000) - up(64 * 10 * 4) + up(64 * 3 * 4));
-  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 100, o), one + up(1000));
+            std::max(one + up(1000) - up(64 * 10 * 4) + up(64 * 3 * 4),
+                     one - up(64 * 10 * 4) + 2 * up(64 * 3 * 4)));
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 100, o), std::max(one + up(1000), recompute));
   EXPECT_EQ((qbl::BackwardPlan<float, __nv_bfloat16>::workspace_bytes_for(64, 8, 10, 10, o)),
-            up(1000) * 2 + up(64 * 8 * 4) + up(64 * 10 * 2));
+            up(1000) + up(64 * 8 * 4) + up(64 * 10 * 2) + std::max(up(1000), up(64 * 10 * 2)));
   // by_shape puts wgrad beside dgrad at every shape measured so far: two workspaces.
   o.overlap_wgrad = qbl::Choice::by_shape;
-  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), one + up(1000));
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), std::max(one + up(1000), recompute));
 }
 
 // ---- the plans against the owning class ---------------------------------------------------------
@@ -460,7 +468,23 @@ TEST(BackwardPlanArguments, EveryBadArgumentThrowsItsTypeAndTouchesNothing) {
        Case::invalid},
       {"null x, grad_logits wanted", [](Args& a) { a.x = nullptr; }, Case::invalid},
       {"null stats, grad_x wanted", [](Args& a) { a.stats = nullptr; }, Case::invalid},
-      {"null mixed, grad_weight wanted", [](Args& a) { a.mixed = nullptr; }, Case::invalid},
+      // A null mixed is recomputed where grad_weight is wanted: from x, logits and stats.
+      {"null mixed and x, only grad_weight and grad_bias wanted",
+       [](Args& a) {
+         a.mixed = nullptr, a.x = nullptr, a.grad_x = nullptr, a.grad_logits = nullptr;
+       },
+       Case::invalid},
+      {"null mixed and stats, only grad_weight and grad_bias wanted",
+       [](Args& a) {
+         a.mixed = nullptr, a.stats = nullptr, a.grad_x = nullptr, a.grad_logits = nullptr;
+       },
+       Case::invalid},
+      {"null mixed and logits, only grad_weight wanted",
+       [](Args& a) {
+         a.mixed = nullptr, a.logits = nullptr, a.grad_x = nullptr, a.grad_logits = nullptr;
+         a.grad_bias = nullptr;
+       },
+       Case::invalid},
       {"misaligned grad_out", [](Args& a) { a.grad_out = odd(a.grad_out); }, Case::invalid},
       {"misaligned x", [](Args& a) { a.x = odd(a.x); }, Case::invalid},
       {"misaligned weight", [](Args& a) { a.weight = odd(a.weight); }, Case::invalid},
@@ -482,7 +506,7 @@ TEST(BackwardPlanArguments, EveryBadArgumentThrowsItsTypeAndTouchesNothing) {
        Case::invalid},
       {"grad_logits inside grad_x", [](Args& a) { a.grad_logits = a.grad_x + 3; }, Case::invalid},
   };
-  ASSERT_EQ(cases.size(), 26u);
+  ASSERT_EQ(cases.size(), 28u);
   std::vector<float> x_before(p.x.size()), w_before(p.w.size());
   QBL_ASSERT_CUDA(qbl_test::to_host(x_before, p.x.get()));
   QBL_ASSERT_CUDA(qbl_test::to_host(w_before, p.w.get()));
@@ -848,6 +872,244 @@ TEST(LayerPlans, GraphCapturedInThreadLocalModeWhileAnotherThreadRunsBackwards) 
 TEST(LayerPlans, GraphCapturedInGlobalModeWhileAnotherThreadRunsBackwards) {
   QBL_REQUIRE_GPU();
   capture_while_another_thread_runs(cudaStreamCaptureModeGlobal);
+}
+
+// ---- the input activation and the recomputed mixed ----------------------------------------------
+
+template <typename A, typename X, typename G, typename L>
+struct ActCase {
+  using Act = A;
+  using x_type = X;
+  using gemm_type = G;
+  using logits_type = L;
+};
+using ActCases =
+    ::testing::Types<ActCase<qbl::Gelu, float, float, float>,
+                     ActCase<qbl::Silu, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16>,
+                     ActCase<qbl::GeluTanh, float, __half, float>,
+                     ActCase<qbl::Relu, __half, __half, __half>,
+                     ActCase<qbl::Identity, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16>,
+                     ActCase<qbl::Identity, float, __nv_bfloat16, __nv_bfloat16>>;
+struct ActCaseNames {
+  template <typename T>
+  static const char* type_name() {
+    return std::is_same_v<T, float> ? "fp32" : std::is_same_v<T, __half> ? "fp16" : "bf16";
+  }
+  template <typename C>
+  static std::string GetName(int) {
+    using A = typename C::Act;
+    const char* act = std::is_same_v<A, qbl::Gelu>       ? "gelu"
+                      : std::is_same_v<A, qbl::GeluTanh> ? "gelu_tanh"
+                      : std::is_same_v<A, qbl::Relu>     ? "relu"
+                      : std::is_same_v<A, qbl::Silu>     ? "silu"
+                                                         : "identity";
+    return std::string(act) + "_" + type_name<typename C::x_type>() + "_" +
+           type_name<typename C::gemm_type>() + "_" + type_name<typename C::logits_type>();
+  }
+};
+
+template <typename T>
+__global__ void activate_elements(const T* h, T* x, std::int64_t n, qbl::Activation which) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const float v = qbl::detail::to_float(h[i]);
+  float r = v;
+  if (which == qbl::Activation::gelu) r = qbl::activate<qbl::Gelu, T>(v);
+  if (which == qbl::Activation::gelu_tanh) r = qbl::activate<qbl::GeluTanh, T>(v);
+  if (which == qbl::Activation::relu) r = qbl::activate<qbl::Relu, T>(v);
+  if (which == qbl::Activation::silu) r = qbl::activate<qbl::Silu, T>(v);
+  x[i] = qbl::detail::from_float<T>(r);
+}
+
+template <typename T>
+__global__ void activate_gradients(const T* dx, const T* h, T* dh, std::int64_t n,
+                                   qbl::Activation which) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const float d = qbl::detail::to_float(dx[i]), v = qbl::detail::to_float(h[i]);
+  float r = d;
+  if (which == qbl::Activation::gelu) r = qbl::activate_backward<qbl::Gelu, T>(d, v);
+  if (which == qbl::Activation::gelu_tanh) r = qbl::activate_backward<qbl::GeluTanh, T>(d, v);
+  if (which == qbl::Activation::relu) r = qbl::activate_backward<qbl::Relu, T>(d, v);
+  if (which == qbl::Activation::silu) r = qbl::activate_backward<qbl::Silu, T>(d, v);
+  dh[i] = qbl::detail::from_float<T>(r);
+}
+
+/// A typed layer problem on the device: inputs, the forward's outputs and the four gradients.
+template <typename X, typename G, typename L>
+struct TypedProblem {
+  std::int64_t tokens, in, out;
+  qbl_test::DeviceArray<X> h, x, gx;
+  qbl_test::DeviceArray<L> l, gl;
+  qbl_test::DeviceArray<G> w, b, y, mixed, go, gw, gb;
+  qbl_test::DeviceArray<float> stats;
+  TypedProblem(std::int64_t t, std::int64_t i, std::int64_t o, std::uint64_t seed)
+      : tokens(t),
+        in(i),
+        out(o),
+        h(t * i),
+        x(t * i),
+        gx(t * i),
+        l(t),
+        gl(t),
+        w(o * i),
+        b(o),
+        y(t * o),
+        mixed(t * i),
+        go(t * o),
+        gw(o * i),
+        gb(o),
+        stats(2) {
+    std::vector<float> hv = qbl_test::randn(t * i, seed, 2.0f);
+    for (std::size_t k = 0; k < hv.size(); k += 13) hv[k] = (k % 26 == 0) ? -0.0f : 0.0f;
+    EXPECT_EQ(qbl_test::to_device(h.get(), qbl_test::convert<X>(hv)), cudaSuccess);
+    EXPECT_EQ(qbl_test::to_device(l.get(), qbl_test::convert<L>(qbl_test::randn(t, seed + 1, 2))),
+              cudaSuccess);
+    EXPECT_EQ(
+        qbl_test::to_device(w.get(), qbl_test::convert<G>(qbl_test::randn(o * i, seed + 2, 0.1f))),
+        cudaSuccess);
+    EXPECT_EQ(qbl_test::to_device(b.get(), qbl_test::convert<G>(qbl_test::randn(o, seed + 3))),
+              cudaSuccess);
+    EXPECT_EQ(qbl_test::to_device(go.get(), qbl_test::convert<G>(qbl_test::randn(t * o, seed + 4))),
+              cudaSuccess);
+  }
+  template <typename T>
+  static std::vector<float> read(const qbl_test::DeviceArray<T>& a) {
+    std::vector<T> v(a.size());
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(qbl_test::to_host(v, a.get()), cudaSuccess);
+    return qbl_test::widen(v);
+  }
+  void poison_gradients() {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaMemset(gx.get(), qbl_test::poison_byte, gx.size() * sizeof(X)), cudaSuccess);
+    EXPECT_EQ(cudaMemset(gl.get(), qbl_test::poison_byte, gl.size() * sizeof(L)), cudaSuccess);
+    EXPECT_EQ(cudaMemset(gw.get(), qbl_test::poison_byte, gw.size() * sizeof(G)), cudaSuccess);
+    EXPECT_EQ(cudaMemset(gb.get(), qbl_test::poison_byte, gb.size() * sizeof(G)), cudaSuccess);
+  }
+  /// grad_x, grad_logits, grad_weight, grad_bias (widened).
+  std::vector<std::vector<float>> gradients() { return {read(gx), read(gl), read(gw), read(gb)}; }
+};
+
+template <typename C>
+class PlansWithActivation : public ::testing::Test {};
+TYPED_TEST_SUITE(PlansWithActivation, ActCases, ActCaseNames);
+
+/// A backward with a workspace of exactly workspace_bytes(args), poisoned.
+template <typename B>
+void run_backward(const B& bwd, const typename B::Arguments& a, qbl::SideStream* side) {
+  Workspace ws(bwd.workspace_bytes(a));
+  bwd.run(a, ws.get(), side);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+TYPED_TEST(PlansWithActivation, RecomputedMixedGivesTheKeptGradients) {
+  QBL_REQUIRE_GPU();
+  using C = TypeParam;
+  using X = typename C::x_type;
+  using G = typename C::gemm_type;
+  using L = typename C::logits_type;
+  using Fwd = qbl::ForwardPlan<X, G, L, typename C::Act>;
+  using Bwd = qbl::BackwardPlan<X, G, L, typename C::Act>;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  TypedProblem<X, G, L> p(300, 96, 64, seed);  // 300 x 96 > 2^15: the two-kernel prologue
+  const Fwd fwd(p.in, p.out, 512);
+  const Bwd bwd(p.in, p.out, 512);
+  qbl::SideStream side;
+  typename Fwd::Arguments f;
+  f.x = p.h.get(), f.logits = p.l.get(), f.weight = p.w.get(), f.bias = p.b.get();
+  f.out = p.y.get(), f.mixed = p.mixed.get(), f.stats = p.stats.get(), f.tokens = p.tokens;
+  Workspace fws(fwd.workspace_bytes());
+  fwd.run(f, fws.get());
+  typename Bwd::Arguments a;
+  a.grad_out = p.go.get(), a.x = p.h.get(), a.logits = p.l.get(), a.weight = p.w.get();
+  a.mixed = p.mixed.get(), a.stats = p.stats.get(), a.tokens = p.tokens;
+  a.grad_x = p.gx.get(), a.grad_logits = p.gl.get(), a.grad_weight = p.gw.get();
+  a.grad_bias = p.gb.get();
+  p.poison_gradients();
+  run_backward(bwd, a, &side);
+  const auto kept = p.gradients();
+  const char* names[] = {"grad_x", "grad_logits", "grad_weight", "grad_bias"};
+  // Recomputed: every gradient the same bits (the side stream is not used then).
+  typename Bwd::Arguments r = a;
+  r.mixed = nullptr;
+  EXPECT_LE(bwd.workspace_bytes(r), bwd.workspace_bytes());
+  p.poison_gradients();
+  run_backward(bwd, r, &side);
+  auto got = p.gradients();
+  for (int k = 0; k < 4; ++k) EXPECT_TRUE(qbl_test::bits_equal(got[k], kept[k])) << names[k];
+  // Recomputed without dgrad: only grad_weight and grad_bias wanted.
+  r.grad_x = nullptr, r.grad_logits = nullptr, r.weight = nullptr;
+  p.poison_gradients();
+  run_backward(bwd, r, nullptr);
+  got = p.gradients();
+  for (int k = 2; k < 4; ++k) EXPECT_TRUE(qbl_test::bits_equal(got[k], kept[k])) << names[k];
+  std::vector<X> raw(p.gx.size());
+  QBL_ASSERT_CUDA(qbl_test::to_host(raw, p.gx.get()));
+  EXPECT_TRUE(std::all_of(raw.begin(), raw.end(), [](const X& v) {
+    return qbl_test::is_poison(v);
+  })) << "grad_x written";
+  // The owning class, its own buffers for the forward and a recomputed mixed for the backward.
+  qbl::Options o;
+  o.backward = true;
+  qbl::QuantBlendLinear<X, G, L, typename C::Act> layer(p.in, p.out, 512, o);
+  layer.forward(f);
+  typename Bwd::Arguments c = a;
+  c.mixed = nullptr;  // stats given, mixed null: recomputed
+  p.poison_gradients();
+  layer.backward(c);
+  got = p.gradients();
+  for (int k = 0; k < 4; ++k)
+    EXPECT_TRUE(qbl_test::bits_equal(got[k], kept[k])) << names[k] << " (QuantBlendLinear)";
+}
+
+TYPED_TEST(PlansWithActivation, EqualTheIdentityPlansFedTheActivation) {
+  QBL_REQUIRE_GPU();
+  using C = TypeParam;
+  using Act = typename C::Act;
+  using X = typename C::x_type;
+  using G = typename C::gemm_type;
+  using L = typename C::logits_type;
+  const std::uint64_t seed = qbl_test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  TypedProblem<X, G, L> p(300, 96, 64, seed);
+  TypedProblem<X, G, L> q(300, 96, 64, seed);  // the reference run's buffers, same inputs
+  const std::int64_t n = p.tokens * p.in;
+  const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
+  activate_elements<<<blocks, 256>>>(q.h.get(), q.x.get(), n, Act::kind);  // q.x = act(h)
+  QBL_ASSERT_CUDA(cudaGetLastError());
+  const qbl::ForwardPlan<X, G, L, Act> fwd(p.in, p.out, 512);
+  const qbl::BackwardPlan<X, G, L, Act> bwd(p.in, p.out, 512);
+  const qbl::ForwardPlan<X, G, L> fwd_id(p.in, p.out, 512);
+  const qbl::BackwardPlan<X, G, L> bwd_id(p.in, p.out, 512);
+  Workspace ws(std::max({fwd.workspace_bytes(), bwd.workspace_bytes(), fwd_id.workspace_bytes(),
+                         bwd_id.workspace_bytes()}));
+  auto run = [&](auto& f_plan, auto& b_plan, TypedProblem<X, G, L>& t, const X* input) {
+    typename std::decay_t<decltype(f_plan)>::Arguments f;
+    f.x = input, f.logits = t.l.get(), f.weight = t.w.get(), f.bias = t.b.get();
+    f.out = t.y.get(), f.mixed = t.mixed.get(), f.stats = t.stats.get(), f.tokens = t.tokens;
+    f_plan.run(f, ws.get());
+    typename std::decay_t<decltype(b_plan)>::Arguments a;
+    a.grad_out = t.go.get(), a.x = input, a.logits = t.l.get(), a.weight = t.w.get();
+    a.mixed = t.mixed.get(), a.stats = t.stats.get(), a.tokens = t.tokens;
+    a.grad_x = t.gx.get(), a.grad_logits = t.gl.get(), a.grad_weight = t.gw.get();
+    a.grad_bias = t.gb.get();
+    t.poison_gradients();
+    b_plan.run(a, ws.get(), nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  };
+  run(fwd, bwd, p, p.h.get());
+  run(fwd_id, bwd_id, q, q.x.get());
+  // The reference's grad of h: act's backward of the identity plan's grad_x.
+  activate_gradients<<<blocks, 256>>>(q.gx.get(), q.h.get(), q.gx.get(), n, Act::kind);
+  QBL_ASSERT_CUDA(cudaGetLastError());
+  EXPECT_TRUE(qbl_test::bits_equal(p.read(p.stats), q.read(q.stats))) << "stats";
+  EXPECT_TRUE(qbl_test::bits_equal(p.read(p.mixed), q.read(q.mixed), p.in)) << "mixed";
+  EXPECT_TRUE(qbl_test::bits_equal(p.read(p.y), q.read(q.y), p.out)) << "out";
+  const char* names[] = {"grad of h", "grad_logits", "grad_weight", "grad_bias"};
+  const auto got = p.gradients(), want = q.gradients();
+  for (int k = 0; k < 4; ++k) EXPECT_TRUE(qbl_test::bits_equal(got[k], want[k])) << names[k];
 }
 
 }  // namespace

@@ -759,8 +759,8 @@ TEST(LayerBackwardBadInput, EveryCaseThrowsItsTypeAndTouchesNothing) {
   QBL_ASSERT_CUDA(buf.upload(d));
   using B = BwdBuffers<float>;
   const std::vector<BadCase> cases = {
-      {"stats given, mixed null (the instance's own come as a pair)",
-       [](Args& a, B&) { a.mixed = nullptr; }, BadCase::invalid},
+      {"stats given, mixed null and x null (recomputing mixed needs x)",
+       [](Args& a, B&) { a.mixed = nullptr, a.x = nullptr; }, BadCase::invalid},
       {"mixed given, stats null, grad_x wanted (it needs the scale)",
        [](Args& a, B&) { a.stats = nullptr; }, BadCase::invalid},
       {"null grad_out (the plan's check)", [](Args& a, B&) { a.grad_out = nullptr; },

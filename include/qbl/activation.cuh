@@ -34,9 +34,6 @@
 
 namespace qbl {
 
-/// The activations, as values (a binding's runtime choice maps onto the types below).
-enum class Activation { identity, gelu, gelu_tanh, relu, silu };
-
 /// No activation: the layer quantizes its input itself.
 struct Identity {
   static constexpr Activation kind = Activation::identity;

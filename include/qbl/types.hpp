@@ -1,5 +1,5 @@
 // qbl/types.hpp -- the element types qbl supports, as one list: the plans check against it, a
-// binding dispatches over it and the tests are parameterized by it.
+// binding dispatches over it and the tests are parameterized by it; and the activations' values.
 //
 //   qbl::for_each_type(qbl::SupportedTypes{}, [&](auto t) {
 //     using T = decltype(t);   // a qbl::LayerTypes<X, G, L>
@@ -38,6 +38,10 @@ using SupportedTypes =
              LayerTypes<float, __nv_bfloat16, float>,
              LayerTypes<float, __nv_bfloat16, __nv_bfloat16>, LayerTypes<float, __half, float>,
              LayerTypes<float, __half, __half>>;
+
+/// The input activations (qbl/activation.cuh's types Identity, Gelu, GeluTanh, Relu, Silu: each
+/// has `kind`), as values: what a binding chooses at run time maps onto those types.
+enum class Activation { identity, gelu, gelu_tanh, relu, silu };
 
 /// Calls f(T{}) for each T of the list, in order.
 template <typename... T, typename F>
