@@ -219,15 +219,15 @@ inline std::vector<DotValue> bias_grad_values(const std::vector<float>& g, std::
 }
 
 /// grad_bias, and grad_bias accumulated into `old` as autograd does, RN_T(old + RN_T(sum)): the
-/// sum's bound (fp32 accumulation, k = tokens terms: qbl's column sum and the BGRADB epilogue
-/// both sum in fp32) and its rounding(s) to T, then the fp32 addition and the rounding of the
-/// result to T.
+/// sum's bound (fp32 accumulation, k = tokens terms: qbl's column sum sums in fp32) and its one
+/// rounding to T, then the fp32 addition and the rounding of the result to T.
 inline ::testing::AssertionResult bias_grad_within_bounds(DType t, std::int64_t tokens,
                                                           const std::vector<float>& got,
                                                           const std::vector<DotValue>& sums,
                                                           const float* old, const char* what) {
   GemmArithmetic sum = GemmArithmetic::of(t == DType::tf32 ? DType::fp32 : t);
-  sum.u_acc = 0x1p-24;  // the column sum and BGRADB's reduction are fp32 sums
+  sum.u_acc = 0x1p-24;             // the column sum is an fp32 sum...
+  sum.rounds_accumulator = false;  // ...rounded once to T
   std::size_t bad = 0;
   auto failure = ::testing::AssertionFailure();
   for (std::size_t o = 0; o < got.size(); ++o) {
