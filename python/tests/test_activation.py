@@ -139,11 +139,10 @@ def test_fp32_special_and_random_values(act):
 
 @pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
 @pytest.mark.parametrize("act", [pytest.param(None, id="none")] + ACT_PARAMS)
-@pytest.mark.parametrize("shape", H.SMALL_SHAPES)
-def test_recomputed_mixed_gives_the_kept_gradients(shape, act, dtype):
+@pytest.mark.parametrize("lead,n_in,n_out,bias", H.SMALL_SHAPES)
+def test_recomputed_mixed_gives_the_kept_gradients(lead, n_in, n_out, bias, act, dtype):
     """keep_mixed=False (the backward recomputes mixed from h and the stats) against
     keep_mixed=True: every gradient bit for bit, and the forward unchanged."""
-    lead, n_in, n_out, bias = shape
     x, l, w, b = H.make_inputs(lead, n_in, n_out, dtype, bias=bias, seed=10)
     g = H.make_grad_out((*lead, n_out), dtype, seed=11)
 

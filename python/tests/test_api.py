@@ -272,8 +272,8 @@ def test_cache_grows_in_powers_of_two_and_clears():
     n_in, n_out = 72, 24
     qbl.clear_cache()
     assert qbl.cache_info() == [], f"cache_info after clear_cache: {qbl.cache_info()}"
-    keys = {"device", "x_dtype", "gemm_dtype", "logits_dtype", "in_features", "out_features",
-            "tf32", "backward", "max_tokens", "forward_workspace_bytes",
+    keys = {"device", "x_dtype", "gemm_dtype", "logits_dtype", "activation", "in_features",
+            "out_features", "tf32", "backward", "max_tokens", "forward_workspace_bytes",
             "backward_workspace_bytes"}
     previous = 0
     for tokens in (3, 100, 10, 1000, 1000):
@@ -285,6 +285,7 @@ def test_cache_grows_in_powers_of_two_and_clears():
         row = rows[0]
         assert set(row) == keys, f"cache_info keys {sorted(row)}"
         assert (row["gemm_dtype"], row["logits_dtype"]) == (torch.float32, torch.float32), row
+        assert row["activation"] is None, row
         cap = row["max_tokens"]
         assert cap >= tokens and cap & (cap - 1) == 0, (
             f"{tokens} tokens: max_tokens {cap} is not a power of two >= {tokens}")
