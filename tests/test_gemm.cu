@@ -305,8 +305,9 @@ void run_backward(const BackwardShape& sh, std::uint64_t seed) {
   const auto a = rand_t<T>(static_cast<std::size_t>(tokens * in), seed + 2);
   const auto old_w = rand_t<T>(static_cast<std::size_t>(out * in), seed + 3);
   const auto dgrad = qbl_test::dgrad_values(g, w, tokens, in, out);
-  qbl::GemmPlan<T> dplan(qbl::GemmSpec::linear_dgrad(in, out), 128);
-  qbl::GemmPlan<T> wplan(qbl::GemmSpec::linear_wgrad(in, out), 128);
+  const std::int64_t max_tokens = std::max<std::int64_t>(tokens, 128);
+  qbl::GemmPlan<T> dplan(qbl::GemmSpec::linear_dgrad(in, out), max_tokens);
+  qbl::GemmPlan<T> wplan(qbl::GemmSpec::linear_wgrad(in, out), max_tokens);
   qbl_test::DeviceArray<unsigned char> ws(dplan.workspace_bytes());
   for (const std::size_t off : {0, 1}) {
     SCOPED_TRACE("offset " + std::to_string(off));

@@ -163,9 +163,9 @@ const char* const output_names[] = {"out",         "mixed",       "stats",    "g
 // The sizes, counted here by hand from the layouts the headers document, each part 256-byte
 // aligned. Forward: the amax kernel's per-block maxima (4096 bytes), then the cuBLASLt workspace.
 // Backward: one cuBLASLt workspace where wgrad never runs beside dgrad, two where it may; the
-// column sum's partials (64 ranges of `out` floats); g_mixed, [tokens, in] in the GEMM's type;
-// and, where mixed is recomputed, room for it ([tokens, in] in the GEMM's type) -- wgrad then
-// runs after dgrad, so one cuBLASLt workspace. The query without arguments is the larger.
+// column sum's partials (64 ranges of `out` floats); g_mixed, [tokens, in] in the GEMM's type
+// (where dgrad's product cannot go to grad_x); and, where mixed is recomputed, room for it (the
+// same size). The queries without arguments count all of these.
 TEST(LayerPlans, WorkspaceQueriesCountEveryPart) {
   auto up = [](std::size_t b) { return (b + 255) / 256 * 256; };
   qbl::Options o;
@@ -173,22 +173,20 @@ TEST(LayerPlans, WorkspaceQueriesCountEveryPart) {
   EXPECT_EQ(Fwd::workspace_bytes_for(1000), 4096u + 1000u);
   EXPECT_EQ((qbl::ForwardPlan<float, __half, __half>::workspace_bytes_for(1000)), 4096u + 1000u);
   o.overlap_wgrad = qbl::Choice::no;
-  const std::size_t one = up(1000) + up(64 * 8 * 4) + up(64 * 10 * 4);
-  const std::size_t recompute = one + up(64 * 10 * 4);  // + mixed, one GEMM workspace
-  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), std::max(one, recompute));
+  const std::size_t one = up(1000) + up(64 * 8 * 4) + 2 * up(64 * 10 * 4);
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), one);
   o.overlap_wgrad = qbl::Choice::yes;
-  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), std::max(one + up(1000), recompute));
-  // g_mixed (and a recomputed mixed) scale with the token count asked for (capped at
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), one + up(1000));
+  // g_mixed and the recomputed mixed scale with the token count asked for (capped at
   // max_tokens); bf16 halves them.
   EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 3, o),
-            std::max(one + up(1000) - up(64 * 10 * 4) + up(64 * 3 * 4),
-                     one - up(64 * 10 * 4) + 2 * up(64 * 3 * 4)));
-  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 100, o), std::max(one + up(1000), recompute));
+            one + up(1000) - 2 * up(64 * 10 * 4) + 2 * up(64 * 3 * 4));
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 100, o), one + up(1000));
   EXPECT_EQ((qbl::BackwardPlan<float, __nv_bfloat16>::workspace_bytes_for(64, 8, 10, 10, o)),
-            up(1000) + up(64 * 8 * 4) + up(64 * 10 * 2) + std::max(up(1000), up(64 * 10 * 2)));
+            up(1000) * 2 + up(64 * 8 * 4) + 2 * up(64 * 10 * 2));
   // by_shape puts wgrad beside dgrad at every shape measured so far: two workspaces.
   o.overlap_wgrad = qbl::Choice::by_shape;
-  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), std::max(one + up(1000), recompute));
+  EXPECT_EQ(Bwd::workspace_bytes_for(64, 8, 10, 10, o), one + up(1000));
 }
 
 // ---- the plans against the owning class ---------------------------------------------------------
@@ -713,10 +711,10 @@ struct PinnedFloats {
 // with a second SideStream. The capture must end cleanly -- nothing of B's work enters it, and
 // nothing it captures waits on B -- B's backwards keep the serial run's bits all along, and the
 // graph, replayed with new inputs copied into the captured buffers, gives the direct serial
-// results of those inputs bit for bit. In cudaStreamCaptureModeGlobal the running thread is held
-// to capture-safe calls too: kernel and cuBLASLt launches, event records and waits on its own
-// streams, asynchronous copies to pinned memory and a synchronization of its own stream, which no
-// capture includes. Everything is allocated, and every kernel loaded, before the capture begins.
+// results of those inputs bit for bit. Everything is allocated, and every kernel loaded, before
+// the capture begins. Thread-local mode: the running thread checks each backward with a
+// synchronization of its own stream, which a global-mode capture forbids to every thread (CUDA
+// answers cudaErrorStreamCaptureUnsupported and invalidates the capture, whatever the work).
 void capture_while_another_thread_runs(cudaStreamCaptureMode mode) {
   const std::uint64_t seed = qbl_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -867,11 +865,6 @@ void capture_while_another_thread_runs(cudaStreamCaptureMode mode) {
 TEST(LayerPlans, GraphCapturedInThreadLocalModeWhileAnotherThreadRunsBackwards) {
   QBL_REQUIRE_GPU();
   capture_while_another_thread_runs(cudaStreamCaptureModeThreadLocal);
-}
-
-TEST(LayerPlans, GraphCapturedInGlobalModeWhileAnotherThreadRunsBackwards) {
-  QBL_REQUIRE_GPU();
-  capture_while_another_thread_runs(cudaStreamCaptureModeGlobal);
 }
 
 // ---- the input activation and the recomputed mixed ----------------------------------------------

@@ -279,15 +279,14 @@ TEST(QuantBlendLinearOptions, ZeroCublasWorkspaceStillComputesEverything) {
     o.cublas_workspace_bytes = workspace;
     o.overlap_wgrad = qbl::Choice::yes;  // two GEMM workspaces
     Layer layer(in, out, tokens, o);
-    // stats, mixed, and the larger workspace -- the backward's: the column sum's 64 x out floats
-    // and g_mixed, each 256-byte aligned, and two cuBLASLt workspaces or (mixed recomputed) one
-    // and room for mixed.
+    // stats, mixed, and the larger workspace -- the backward's: two cuBLASLt workspaces, the
+    // column sum's 64 x out floats, g_mixed and room for a recomputed mixed, each 256-byte
+    // aligned.
     const std::size_t ws = (workspace + 255) / 256 * 256;
     const std::size_t rows = tokens * in * sizeof(float);
-    EXPECT_EQ(
-        Layer::workspace_bytes(in, out, tokens, o),
-        2 * sizeof(float) + rows +
-            std::max<std::size_t>(4096 + workspace, ws + 64 * out * 4 + rows + std::max(ws, rows)));
+    EXPECT_EQ(Layer::workspace_bytes(in, out, tokens, o),
+              2 * sizeof(float) + rows +
+                  std::max<std::size_t>(4096 + workspace, 2 * ws + 64 * out * 4 + 2 * rows));
     for (auto* a : {&io.y, &gx, &gl, &gw, &gb})
       EXPECT_EQ(cudaMemset(a->get(), qbl_test::poison_byte, a->size() * sizeof(float)),
                 cudaSuccess);

@@ -90,11 +90,12 @@ struct GeluTanh {
   }
 };
 
-/// F.relu(h) = clamp_min(h, 0): NaN stays NaN, -0.0 stays -0.0. Its backward,
+/// F.relu(h) = clamp_min(h, 0): NaN stays NaN, and every h <= 0, -0.0 included, gives +0.0 (as
+/// eager's kernel gives it: its max(h, 0) returns the bound for -0.0). Its backward,
 /// threshold_backward(dy, relu(h), 0), passes dy where the output is above 0 (or NaN).
 struct Relu {
   static constexpr Activation kind = Activation::relu;
-  QBL_HOST_DEVICE static float forward(float h) { return h != h ? h : (h < 0.0f ? 0.0f : h); }
+  QBL_HOST_DEVICE static float forward(float h) { return h != h ? h : (h > 0.0f ? h : 0.0f); }
   QBL_HOST_DEVICE static float backward(float dy, float h) {
     return forward(h) <= 0.0f ? 0.0f : dy;
   }

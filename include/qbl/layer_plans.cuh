@@ -262,10 +262,10 @@ class BackwardPlan {
   BackwardPlan& operator=(const BackwardPlan&) = delete;
 
   /// Device bytes run(args) needs: the GEMMs' cuBLASLt workspaces (two where wgrad may run beside
-  /// dgrad), the column sum's partial sums, a g_mixed scratch of [tokens, in_features] in G (used
-  /// when grad_x is not wanted or is of another type) and, where mixed is recomputed (args.mixed
-  /// null with grad_weight wanted), room for it. Needs no initialization; not shared with
-  /// concurrent work.
+  /// dgrad), the column sum's partial sums, a g_mixed scratch of [tokens, in_features] in G
+  /// (where dgrad runs and grad_x is not wanted or is of another type) and, where mixed is
+  /// recomputed (args.mixed null with grad_weight wanted), room for it. Needs no initialization;
+  /// not shared with concurrent work.
   std::size_t workspace_bytes(const Arguments& args) const noexcept;
   /// The most any run() with up to `tokens` tokens needs (default: max_tokens).
   std::size_t workspace_bytes(std::int64_t tokens) const noexcept;
@@ -302,8 +302,8 @@ class BackwardPlan {
   struct Layout;  // offsets of the workspace's parts
   static Layout layout_for(std::int64_t in, std::int64_t out, std::int64_t tokens,
                            std::size_t cublas_workspace_bytes, bool two_gemm_workspaces,
-                           bool recompute) noexcept;
-  Layout layout(std::int64_t tokens, bool recompute) const noexcept;
+                           bool g_mixed, bool recompute) noexcept;
+  Layout layout(const Arguments& args) const noexcept;
   /// Is mixed recomputed in this run (grad_weight wanted, no mixed given)?
   static bool recomputes(const Arguments& a) noexcept {
     return a.grad_weight != nullptr && a.mixed == nullptr;

@@ -54,11 +54,11 @@ namespace qbl {
 
 /// The fused quantize-blend-linear layer. X: x's type; G: the GEMM's (mixed, weight, bias, out
 /// and their gradients); L: the logits'; Act: the input activation (qbl/activation.cuh: Identity,
-/// the default, or Gelu, GeluTanh, Relu, Silu), applied to x inside the layer. float, __nv_bfloat16 or __half, one for all three; or
-/// fp32 x with a bf16/fp16 GEMM, the logits fp32 or of the GEMM's type (qbl/layer_plans.cuh).
-/// For 16-bit types each element op runs in fp32 and is rounded to the type, as eager does; amax
-/// and scale are held in fp32 on the device, with the values eager's tensors hold; 16-bit GEMMs
-/// run on the tensor cores with fp32 accumulation.
+/// the default, or Gelu, GeluTanh, Relu, Silu), applied to x inside the layer. float, __nv_bfloat16
+/// or __half, one for all three; or fp32 x with a bf16/fp16 GEMM, the logits fp32 or of the GEMM's
+/// type (qbl/layer_plans.cuh). For 16-bit types each element op runs in fp32 and is rounded to the
+/// type, as eager does; amax and scale are held in fp32 on the device, with the values eager's
+/// tensors hold; 16-bit GEMMs run on the tensor cores with fp32 accumulation.
 template <typename X, typename G = X, typename L = X, typename Act = Identity>
 class QuantBlendLinear {
  public:

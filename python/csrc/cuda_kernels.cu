@@ -163,11 +163,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
   c.grad_weight = mask[2] ? gw.mutable_data_ptr() : nullptr;
   c.grad_bias = want_bias ? gb.mutable_data_ptr() : nullptr;
   c.quant_grad = straight_through ? qbl::QuantGrad::straight_through : qbl::QuantGrad::zero;
-  // wgrad beside dgrad on this stream's own side stream, where the plan puts it there (a
-  // recomputed mixed orders wgrad after the element kernel: no side stream then).
-  qbl::SideStream* side = dgrad && wgrad && !recompute && layer.plans->overlaps(p.tokens)
-                              ? side_stream(device, stream)
-                              : nullptr;
+  // wgrad beside dgrad on this stream's own side stream, where the plan puts it there (with a
+  // recomputed mixed, the side stream recomputes it first).
+  qbl::SideStream* side =
+      dgrad && wgrad && layer.plans->overlaps(p.tokens) ? side_stream(device, stream) : nullptr;
   const Tensor ws = workspace(layer.plans->backward_workspace_bytes(c), grad_out);
   translate([&] { layer.plans->backward(c, ws.mutable_data_ptr(), side, stream); });
   return {gx, gl, gw, gb};

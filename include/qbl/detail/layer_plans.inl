@@ -200,38 +200,42 @@ BackwardPlan<X, G, L, Act>::BackwardPlan(std::int64_t in_features, std::int64_t 
 template <typename X, typename G, typename L, typename Act>
 typename BackwardPlan<X, G, L, Act>::Layout BackwardPlan<X, G, L, Act>::layout_for(
     std::int64_t in, std::int64_t out, std::int64_t tokens, std::size_t cublas_workspace_bytes,
-    bool two_gemm_workspaces, bool recompute) noexcept {
+    bool two_gemm_workspaces, bool g_mixed, bool recompute) noexcept {
   Layout l;
   const std::size_t ws = detail::align_up(cublas_workspace_bytes);
   const std::size_t rows =
       detail::align_up(detail::span_bytes(std::max<std::int64_t>(tokens, 0), in, sizeof(G)));
   l.dgrad_ws = 0;
-  // One GEMM workspace when the GEMMs never overlap (a recomputed mixed orders wgrad after the
-  // element kernel, so they do not overlap then either).
-  l.wgrad_ws = two_gemm_workspaces && !recompute ? ws : 0;
+  l.wgrad_ws = two_gemm_workspaces ? ws : 0;  // one workspace when the GEMMs do not overlap
   l.partials = l.wgrad_ws + ws;
   l.g_mixed = l.partials + detail::align_up(bias_grad_workspace_bytes(out));
-  l.mixed = l.g_mixed + rows;
+  l.mixed = l.g_mixed + (g_mixed ? rows : 0);
   l.total = l.mixed + (recompute ? rows : 0);
   return l;
 }
 
 template <typename X, typename G, typename L, typename Act>
 typename BackwardPlan<X, G, L, Act>::Layout BackwardPlan<X, G, L, Act>::layout(
-    std::int64_t tokens, bool recompute) const noexcept {
-  return layout_for(in_features(), out_features(), tokens, dgrad_.workspace_bytes(),
-                    overlap_tokens_ > 0, recompute);
+    const Arguments& a) const noexcept {
+  const bool dgrad = a.grad_x != nullptr || a.grad_logits != nullptr;
+  const bool wgrad = a.grad_weight != nullptr || a.grad_bias != nullptr;
+  // dgrad's product goes where grad_x goes when the two are one type, else to the workspace.
+  const bool g_mixed = dgrad && (!std::is_same_v<G, X> || a.grad_x == nullptr);
+  return layout_for(in_features(), out_features(), std::min(a.tokens, max_tokens()),
+                    dgrad_.workspace_bytes(), dgrad && wgrad && overlaps(a.tokens), g_mixed,
+                    recomputes(a));
 }
 
 template <typename X, typename G, typename L, typename Act>
 std::size_t BackwardPlan<X, G, L, Act>::workspace_bytes(std::int64_t tokens) const noexcept {
-  const std::int64_t t = std::min(tokens, max_tokens());
-  return std::max(layout(t, false).total, layout(t, true).total);
+  return layout_for(in_features(), out_features(), std::min(tokens, max_tokens()),
+                    dgrad_.workspace_bytes(), overlap_tokens_ > 0, true, true)
+      .total;
 }
 
 template <typename X, typename G, typename L, typename Act>
 std::size_t BackwardPlan<X, G, L, Act>::workspace_bytes(const Arguments& args) const noexcept {
-  return layout(std::min(args.tokens, max_tokens()), recomputes(args)).total;
+  return layout(args).total;
 }
 
 template <typename X, typename G, typename L, typename Act>
@@ -242,10 +246,9 @@ std::size_t BackwardPlan<X, G, L, Act>::workspace_bytes_for(std::int64_t in_feat
                                                             const Options& options) noexcept {
   const bool two =
       detail::overlap_tokens(options.overlap_wgrad, in_features, out_features, max_tokens) > 0;
-  const std::int64_t t = std::min(tokens, max_tokens);
-  return std::max(
-      layout_for(in_features, out_features, t, options.cublas_workspace_bytes, two, false).total,
-      layout_for(in_features, out_features, t, options.cublas_workspace_bytes, two, true).total);
+  return layout_for(in_features, out_features, std::min(tokens, max_tokens),
+                    options.cublas_workspace_bytes, two, true, true)
+      .total;
 }
 
 template <typename X, typename G, typename L, typename Act>
@@ -320,14 +323,15 @@ void BackwardPlan<X, G, L, Act>::run(const Arguments& a, void* workspace, SideSt
   QBL_EXPECTS(side == nullptr || (side->valid() && side->device() == device_),
               qbl::invalid_argument, "the side stream must be a valid one of the plan's device");
   const bool recompute = recomputes(a);
-  const Layout l = layout(a.tokens, recompute);
+  const Layout l = layout(a);
   auto* ws = static_cast<char*>(workspace);
   const std::int64_t in = in_features(), out = out_features();
 
-  // wgrad (and the bias gradient) beside dgrad when both run: on the side stream, forked here. A
-  // recomputed mixed comes from the element kernel, after dgrad: then everything runs in order.
-  const bool fork =
-      side != nullptr && dgrad && (want_weight || want_bias) && overlaps(a.tokens) && !recompute;
+  // wgrad (and the bias gradient) beside dgrad when both run: on the side stream, forked here.
+  // A recomputed mixed is then the side stream's first kernel (it reads x, the logits and the
+  // stats, which dgrad's side does not write), so wgrad still runs beside dgrad and the element
+  // kernel; without a side stream the element kernel writes mixed and wgrad runs after it.
+  const bool fork = side != nullptr && dgrad && (want_weight || want_bias) && overlaps(a.tokens);
   cudaStream_t wstream = stream;
   if (fork) {
     QBL_CUDA_TRY(side->fork(stream));
@@ -349,6 +353,7 @@ void BackwardPlan<X, G, L, Act>::run(const Arguments& a, void* workspace, SideSt
 
   G* const recomputed = recompute ? reinterpret_cast<G*>(ws + l.mixed) : nullptr;
   const G* const mixed = recompute ? recomputed : a.mixed;
+  const bool recompute_in_element_kernel = recompute && !fork;
   auto weight_and_bias = [&](cudaStream_t s, void* gemm_workspace) {
     const detail::NvtxRange wgrad_range("qbl wgrad + bias_grad");
     if (want_weight) {
@@ -360,9 +365,16 @@ void BackwardPlan<X, G, L, Act>::run(const Arguments& a, void* workspace, SideSt
                                             ws + l.partials, sms_, s));
     }
   };
-  if (!recompute && (want_weight || want_bias))
+  if ((want_weight || want_bias) && !recompute_in_element_kernel) {
+    if (recompute) {
+      const detail::NvtxRange range("qbl recompute mixed");
+      QBL_CUDA_TRY((detail::launch_quant_blend_backward<X, G, L, Act>(
+          static_cast<const G*>(nullptr), a.x, a.logits, a.stats + 1, static_cast<X*>(nullptr),
+          static_cast<L*>(nullptr), recomputed, a.tokens, in, a.quant_grad, wstream)));
+    }
     weight_and_bias(wstream, ws + (fork ? l.wgrad_ws : l.dgrad_ws));
-  if (dgrad || recompute) {
+  }
+  if (dgrad || recompute_in_element_kernel) {
     const detail::NvtxRange dgrad_range("qbl dgrad + quant_blend_backward");
     // dgrad: g_mixed = grad_out · weight, formed where grad_x goes when the two are one type (the
     // element kernel then works in place), else in the workspace.
@@ -375,10 +387,10 @@ void BackwardPlan<X, G, L, Act>::run(const Arguments& a, void* workspace, SideSt
       dgrad_.run(a.weight, a.grad_out, g_mixed, nullptr, a.tokens, 0.0f, ws + l.dgrad_ws, stream);
     }
     QBL_CUDA_TRY((detail::launch_quant_blend_backward<X, G, L, Act>(
-        g_mixed, a.x, a.logits, a.stats + 1, a.grad_x, a.grad_logits, recomputed, a.tokens, in,
-        a.quant_grad, stream)));
+        g_mixed, a.x, a.logits, a.stats + 1, a.grad_x, a.grad_logits,
+        recompute_in_element_kernel ? recomputed : nullptr, a.tokens, in, a.quant_grad, stream)));
   }
-  if (recompute) weight_and_bias(stream, ws + l.dgrad_ws);
+  if (recompute_in_element_kernel) weight_and_bias(stream, ws + l.dgrad_ws);
   QBL_CUDA_TRY(join.join());
 }
 
