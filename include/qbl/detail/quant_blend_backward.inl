@@ -209,9 +209,18 @@ QBL_KERNEL void __launch_bounds__(backward_block_threads)
     for (int u = 0; u < U; ++u) {
       const std::int64_t c = c0 + 32 * u;
       if (c >= cols) break;
-      const Vec<X, N> xa = activate_vec<Act>(xs[u]);  // what the forward quantized
+      // act(h), what the forward quantized, and the gradient of h: where both are needed, the
+      // activation is evaluated once for both.
+      Vec<X, N> xa, gh;
+      if (want_x && (want_logits || MIXED)) {
+        activate_both_vec<Act>(math.grad_x(g[u]), xs[u], xa, gh);
+      } else if (want_x) {
+        gh = activate_backward_vec<Act>(math.grad_x(g[u]), xs[u]);
+      } else {
+        xa = activate_vec<Act>(xs[u]);
+      }
       if (want_logits) math.sums(g[u], xa, sum_q, sum_x);
-      if (want_x) out[c] = activate_backward_vec<Act>(math.grad_x(g[u]), xs[u]);
+      if (want_x) out[c] = gh;
       if constexpr (MIXED) mv[c] = forward.apply(xa, gate);
     }
   }
