@@ -11,9 +11,9 @@ entropy. A block: h = LayerNorm(x); logits = Linear(D, 1)(h), one gate per token
 QBL(4D, D)(GELU(QBL(D, 4D)(h, logits)), logits), QBL being ReferenceQuantBlendLinear below
 ("reference": reference.py's Model with nn.Linear's parameters, F.gelu between the layers) or
 qbl.QuantBlendLinear, the GELU fused into the second layer (activation="gelu": the layer keeps
-the first layer's output, not GELU's), with `mixed` recomputed in the backward ("qbl":
-keep_mixed=False, the default) or kept for it ("qbl_keep": keep_mixed=True); all models have the
-same parameter names and start from the same values. The task: each token
+the first layer's output, not GELU's), with `mixed` kept for the backward ("qbl": keep_mixed=True,
+the default) or recomputed in it ("qbl_recompute": keep_mixed=False); all models have the same
+parameter names and start from the same values. The task: each token
 id has 4 fixed random successors with fixed odds, the target is one of them (the next token of a
 sparse random Markov chain), so the loss falls from about ln(4096) = 8.3 towards the targets'
 entropy (about 1.2). The blocks mix nothing across positions, so the tokens are drawn independently.
@@ -63,7 +63,7 @@ from reference import _fake_quant_symmetric_int8  # noqa: E402
 
 PRECISIONS = ("bf16", "autocast", "fp32")
 # The qbl variants: keep_mixed of qbl.QuantBlendLinear.
-QBL_VARIANTS = {"qbl": False, "qbl_keep": True}
+QBL_VARIANTS = {"qbl": True, "qbl_recompute": False}
 VARIANTS = ("reference",) + tuple(QBL_VARIANTS)
 MODES = ("eager", "compile")
 MODE_NAMES = {"eager": "eager", "compile": "compiled"}

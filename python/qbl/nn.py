@@ -23,7 +23,7 @@ class QuantBlendLinear(nn.Module):
     activation: None, "gelu", "gelu_tanh", "relu" or "silu": the layer applies F.gelu (...) to
     its input itself, y = Linear(blend(quant(act(x)))), bit for bit as F.gelu followed by the
     layer, and keeps x (the activation's input) for the backward, not act(x). keep_mixed: keep
-    `mixed` for the backward (True), or recompute it there from x (False, the default).
+    `mixed` for the backward (True, the default), or recompute it there from x (False).
     straight_through: the quantizer's gradient taken as the identity (the straight-through
     estimator); default False, the reference's zero gradient. allow_tf32: float32 GEMMs on TF32
     tensor cores (default False: exact float32, as PyTorch's default matmul). process_group: x is
