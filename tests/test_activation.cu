@@ -10,6 +10,7 @@
 #include <qbl/quant_blend_backward.cuh>
 
 #include "test_support.hpp"
+#include "test_support_device.cuh"
 
 #include <cmath>
 #include <cstdint>
@@ -92,11 +93,7 @@ using Activations = ::testing::Types<qbl::Gelu, qbl::GeluTanh, qbl::Relu, qbl::S
 struct ActivationNames {
   template <typename A>
   static std::string GetName(int) {
-    if (std::is_same_v<A, qbl::Gelu>) return "gelu";
-    if (std::is_same_v<A, qbl::GeluTanh>) return "gelu_tanh";
-    if (std::is_same_v<A, qbl::Relu>) return "relu";
-    if (std::is_same_v<A, qbl::Silu>) return "silu";
-    return "identity";
+    return qbl_test::activation_name<A>();
   }
 };
 TYPED_TEST_SUITE(ActivationElement, Activations, ActivationNames);
@@ -193,37 +190,18 @@ __global__ void activate_backward_kernel(const T* dx, const T* h, T* dh, std::in
         qbl::activate_backward<Act, T>(qbl::detail::to_float(dx[i]), qbl::detail::to_float(h[i])));
 }
 
-template <typename A, typename X, typename G, typename L>
-struct StageCase {
-  using Act = A;
-  using x_type = X;
-  using gemm_type = G;
-  using logits_type = L;
-};
+using qbl_test::ActivationCase;
 using StageCases =
-    ::testing::Types<StageCase<qbl::Gelu, float, float, float>,
-                     StageCase<qbl::Gelu, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16>,
-                     StageCase<qbl::GeluTanh, __half, __half, __half>,
-                     StageCase<qbl::GeluTanh, float, __nv_bfloat16, float>,
-                     StageCase<qbl::Relu, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16>,
-                     StageCase<qbl::Relu, float, __half, __half>,
-                     StageCase<qbl::Silu, __half, __half, __half>,
-                     StageCase<qbl::Silu, float, float, float>,
-                     StageCase<qbl::Identity, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16>>;
-struct StageNames {
-  template <typename T>
-  static const char* type_name() {
-    return std::is_same_v<T, float> ? "fp32" : std::is_same_v<T, __half> ? "fp16" : "bf16";
-  }
-  template <typename C>
-  static std::string GetName(int) {
-    return ActivationNames::GetName<typename C::Act>(0) + "_" + type_name<typename C::x_type>() +
-           "_" + type_name<typename C::gemm_type>() + "_" + type_name<typename C::logits_type>();
-  }
-};
+    ::testing::Types<ActivationCase<qbl::Gelu, float>, ActivationCase<qbl::Gelu, __nv_bfloat16>,
+                     ActivationCase<qbl::GeluTanh, __half>,
+                     ActivationCase<qbl::GeluTanh, float, __nv_bfloat16, float>,
+                     ActivationCase<qbl::Relu, __nv_bfloat16>,
+                     ActivationCase<qbl::Relu, float, __half, __half>,
+                     ActivationCase<qbl::Silu, __half>, ActivationCase<qbl::Silu, float>,
+                     ActivationCase<qbl::Identity, __nv_bfloat16>>;
 template <typename C>
 class ActivationStages : public ::testing::Test {};
-TYPED_TEST_SUITE(ActivationStages, StageCases, StageNames);
+TYPED_TEST_SUITE(ActivationStages, StageCases, qbl_test::ActivationCaseNames);
 
 template <typename T>
 std::vector<float> download(const T* d, std::size_t n) {

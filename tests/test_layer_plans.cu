@@ -869,37 +869,13 @@ TEST(LayerPlans, GraphCapturedInThreadLocalModeWhileAnotherThreadRunsBackwards) 
 
 // ---- the input activation and the recomputed mixed ----------------------------------------------
 
-template <typename A, typename X, typename G, typename L>
-struct ActCase {
-  using Act = A;
-  using x_type = X;
-  using gemm_type = G;
-  using logits_type = L;
-};
+using qbl_test::ActivationCase;
 using ActCases =
-    ::testing::Types<ActCase<qbl::Gelu, float, float, float>,
-                     ActCase<qbl::Silu, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16>,
-                     ActCase<qbl::GeluTanh, float, __half, float>,
-                     ActCase<qbl::Relu, __half, __half, __half>,
-                     ActCase<qbl::Identity, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16>,
-                     ActCase<qbl::Identity, float, __nv_bfloat16, __nv_bfloat16>>;
-struct ActCaseNames {
-  template <typename T>
-  static const char* type_name() {
-    return std::is_same_v<T, float> ? "fp32" : std::is_same_v<T, __half> ? "fp16" : "bf16";
-  }
-  template <typename C>
-  static std::string GetName(int) {
-    using A = typename C::Act;
-    const char* act = std::is_same_v<A, qbl::Gelu>       ? "gelu"
-                      : std::is_same_v<A, qbl::GeluTanh> ? "gelu_tanh"
-                      : std::is_same_v<A, qbl::Relu>     ? "relu"
-                      : std::is_same_v<A, qbl::Silu>     ? "silu"
-                                                         : "identity";
-    return std::string(act) + "_" + type_name<typename C::x_type>() + "_" +
-           type_name<typename C::gemm_type>() + "_" + type_name<typename C::logits_type>();
-  }
-};
+    ::testing::Types<ActivationCase<qbl::Gelu, float>, ActivationCase<qbl::Silu, __nv_bfloat16>,
+                     ActivationCase<qbl::GeluTanh, float, __half, float>,
+                     ActivationCase<qbl::Relu, __half>,
+                     ActivationCase<qbl::Identity, __nv_bfloat16>,
+                     ActivationCase<qbl::Identity, float, __nv_bfloat16, __nv_bfloat16>>;
 
 template <typename T>
 __global__ void activate_elements(const T* h, T* x, std::int64_t n, qbl::Activation which) {
@@ -986,7 +962,7 @@ struct TypedProblem {
 
 template <typename C>
 class PlansWithActivation : public ::testing::Test {};
-TYPED_TEST_SUITE(PlansWithActivation, ActCases, ActCaseNames);
+TYPED_TEST_SUITE(PlansWithActivation, ActCases, qbl_test::ActivationCaseNames);
 
 /// A backward with a workspace of exactly workspace_bytes(args), poisoned.
 template <typename B>

@@ -6,6 +6,7 @@
 // "fp32_to_bf16_logits_fp32" and the like for fp32 x with a 16-bit GEMM (PyTorch's autocast).
 #pragma once
 
+#include <qbl/activation.cuh>
 #include <qbl/element_math.cuh>
 #include <qbl/types.hpp>
 
@@ -83,6 +84,32 @@ struct SupportedTypeNames {
   template <typename T>
   static std::string GetName(int) {
     return types_name(triple_of<T>());
+  }
+};
+
+/// An input activation with a layer's element types, for the typed tests of the activations:
+/// TYPED_TEST_SUITE(Suite, ::testing::Types<ActivationCase<qbl::Gelu, float>, ...>,
+/// ActivationCaseNames).
+template <typename A, typename X, typename G = X, typename L = X>
+struct ActivationCase {
+  using Act = A;
+  using x_type = X;
+  using gemm_type = G;
+  using logits_type = L;
+};
+
+/// "identity", "gelu", "gelu_tanh", "relu" or "silu".
+template <typename A>
+std::string activation_name() {
+  constexpr const char* names[] = {"identity", "gelu", "gelu_tanh", "relu", "silu"};
+  return names[static_cast<int>(A::kind)];
+}
+
+/// "gelu_bf16", "gelu_tanh_fp32_to_bf16_logits_fp32" and the like.
+struct ActivationCaseNames {
+  template <typename C>
+  static std::string GetName(int) {
+    return activation_name<typename C::Act>() + "_" + types_name(triple_of<C>());
   }
 };
 
