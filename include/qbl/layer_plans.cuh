@@ -201,8 +201,9 @@ class SideStream {
 
 /// One backward's tensors: grad_out [tokens, out_features] is dL/dout; x, logits and weight are
 /// the forward's inputs, `mixed` and `stats` what it saved -- or `mixed` null: then, where
-/// grad_weight is wanted, it is recomputed from x, logits and stats in the backward's element
-/// kernel (bit for bit what the forward wrote; wgrad then runs after it). Gradient outputs may be
+/// grad_weight is wanted, it is recomputed from x, logits and stats, bit for bit what the forward
+/// wrote: with wgrad beside dgrad, by a kernel of its own on the side stream ahead of wgrad;
+/// otherwise by the backward's element kernel, and wgrad runs after it. Gradient outputs may be
 /// nullptr (not wanted: that work is skipped). What is read: weight for grad_x and grad_logits;
 /// logits and stats for those and a recomputed mixed; x for grad_logits, a recomputed mixed and,
 /// with an activation, grad_x; `mixed` for grad_weight. Outputs must not overlap an input or each
