@@ -123,6 +123,25 @@ TYPED_TEST(ActivationElement, HostFunctionsFollowTheFormulas) {
   expect_formula<Act>(h, y, dh, dy);
 }
 
+TYPED_TEST(ActivationElement, BothGivesTheBitsOfForwardAndBackwardOnTheHost) {
+  // both() is what the backward's element kernel calls; forward() and backward() are what the
+  // formulas above check. On the GPU the stage tests compare the kernels built on each.
+  using Act = TypeParam;
+  const std::vector<float> h = element_inputs();
+  const std::vector<float> dy = qbl_test::randn(h.size(), 11);
+  int bad = 0;
+  for (std::size_t i = 0; i < h.size() && bad < 8; ++i) {
+    float y = 0.0f, dh = 0.0f;
+    Act::both(dy[i], h[i], y, dh);
+    const bool same =
+        bits(y) == bits(Act::forward(h[i])) && bits(dh) == bits(Act::backward(dy[i], h[i]));
+    if (!same) ++bad;
+    EXPECT_TRUE(same) << "h " << h[i] << ", dy " << dy[i] << ": both() gives " << y << ", " << dh
+                      << "; forward() " << Act::forward(h[i]) << ", backward() "
+                      << Act::backward(dy[i], h[i]);
+  }
+}
+
 template <typename Act>
 __global__ void evaluate(const float* h, const float* dy, float* y, float* dh, std::int64_t n) {
   const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
