@@ -6,6 +6,7 @@
 // 16-bit value, is checked by the package's pytest suite (python/tests/test_activation.py).
 #include <qbl/activation.cuh>
 #include <qbl/amax.cuh>
+#include <qbl/detail/activation_table.cuh>
 #include <qbl/quant_blend.cuh>
 #include <qbl/quant_blend_backward.cuh>
 
@@ -210,14 +211,14 @@ __global__ void activate_backward_kernel(const T* dx, const T* h, T* dh, std::in
 }
 
 using qbl_test::ActivationCase;
-using StageCases =
-    ::testing::Types<ActivationCase<qbl::Gelu, float>, ActivationCase<qbl::Gelu, __nv_bfloat16>,
-                     ActivationCase<qbl::GeluTanh, __half>,
-                     ActivationCase<qbl::GeluTanh, float, __nv_bfloat16, float>,
-                     ActivationCase<qbl::Relu, __nv_bfloat16>,
-                     ActivationCase<qbl::Relu, float, __half, __half>,
-                     ActivationCase<qbl::Silu, __half>, ActivationCase<qbl::Silu, float>,
-                     ActivationCase<qbl::Identity, __nv_bfloat16>>;
+using StageCases = ::testing::Types<
+    ActivationCase<qbl::Gelu, float>, ActivationCase<qbl::Gelu, __nv_bfloat16>,
+    ActivationCase<qbl::GeluTanh, __half>, ActivationCase<qbl::GeluTanh, __nv_bfloat16>,
+    ActivationCase<qbl::Silu, __nv_bfloat16>,
+    ActivationCase<qbl::GeluTanh, float, __nv_bfloat16, float>,
+    ActivationCase<qbl::Relu, __nv_bfloat16>, ActivationCase<qbl::Relu, float, __half, __half>,
+    ActivationCase<qbl::Silu, __half>, ActivationCase<qbl::Silu, float>,
+    ActivationCase<qbl::Identity, __nv_bfloat16>>;
 template <typename C>
 class ActivationStages : public ::testing::Test {};
 TYPED_TEST_SUITE(ActivationStages, StageCases, qbl_test::ActivationCaseNames);
@@ -236,22 +237,45 @@ TYPED_TEST(ActivationStages, FusedStagesEqualTheActivationFollowedByThePlainStag
   using X = typename C::x_type;
   using G = typename C::gemm_type;
   using L = typename C::logits_type;
-  // (tokens, features, element offset): vector and element-wise paths, the single-block prologue
-  // and the two-kernel one, rows shorter and longer than a tile.
+  // (tokens, features, element offset, inputs): vector and element-wise paths, the single-block
+  // prologue and the two-kernel one, rows shorter and longer than a tile; for 16-bit x, every
+  // value of the type once (inside and outside the range of a bf16 activation table, NaN and Inf
+  // included), and every finite one (so that the amax and mixed are finite too).
+  enum Inputs { random, every_value, every_finite_value };
   const struct {
     std::int64_t tokens, features;
     std::size_t offset;
-  } shapes[] = {{1, 1, 0}, {7, 96, 0}, {65, 256, 1}, {217, 2049, 0}, {2047, 64, 0}, {300, 512, 0}};
+    Inputs inputs;
+  } shapes[] = {{1, 1, 0, random},          {7, 96, 0, random},
+                {65, 256, 1, random},       {217, 2049, 0, random},
+                {2047, 64, 0, random},      {300, 512, 0, random},
+                {256, 256, 0, every_value}, {512, 128, 0, every_finite_value}};
   for (const auto& s : shapes) {
+    if (s.inputs != random && sizeof(X) != 2) continue;
     const std::uint64_t seed = qbl_test::fresh_seed();
     SCOPED_TRACE("tokens " + std::to_string(s.tokens) + ", features " + std::to_string(s.features) +
-                 ", offset " + std::to_string(s.offset) + ", seed " + std::to_string(seed));
+                 ", offset " + std::to_string(s.offset) + ", inputs " + std::to_string(s.inputs) +
+                 ", seed " + std::to_string(seed));
     const std::size_t n = static_cast<std::size_t>(s.tokens * s.features);
     const std::size_t t = static_cast<std::size_t>(s.tokens);
-    // h spread over the activation's interesting range, with a few exact zeros and signed zeros.
-    std::vector<float> hf = qbl_test::randn(n, seed, 3.0f);
-    for (std::size_t i = 0; i < n; i += 11) hf[i] = (i % 22 == 0) ? -0.0f : 0.0f;
-    const std::vector<X> h = qbl_test::convert<X>(hf);
+    // h spread over the activation's interesting range, with a few exact zeros and signed zeros;
+    // or every 16-bit pattern, shuffled so that rows mix magnitudes.
+    std::vector<X> h;
+    if (s.inputs == random) {
+      std::vector<float> hf = qbl_test::randn(n, seed, 3.0f);
+      for (std::size_t i = 0; i < n; i += 11) hf[i] = (i % 22 == 0) ? -0.0f : 0.0f;
+      h = qbl_test::convert<X>(hf);
+    } else if constexpr (sizeof(X) == 2) {
+      using Raw = std::conditional_t<std::is_same_v<X, __half>, __half_raw, __nv_bfloat16_raw>;
+      const std::uint16_t exponent = std::is_same_v<X, __half> ? 0x7c00 : 0x7f80;
+      for (std::size_t i = 0; i < n; ++i) {
+        // a bijection of [0, 65536) (an odd multiplier) gives the pattern
+        Raw r;
+        r.x = static_cast<std::uint16_t>((i % 65536) * 40503u);
+        if (s.inputs == every_finite_value && (r.x & exponent) == exponent) r.x = 0;
+        h.push_back(X(r));
+      }
+    }
     const std::vector<L> logits = qbl_test::convert<L>(qbl_test::randn(t, seed + 1, 2.0f));
     const std::vector<G> g = qbl_test::convert<G>(qbl_test::randn(n, seed + 2));
     const std::size_t o = s.offset;
@@ -265,6 +289,7 @@ TYPED_TEST(ActivationStages, FusedStagesEqualTheActivationFollowedByThePlainStag
     QBL_ASSERT_CUDA(qbl_test::to_device(dh.get(o), h));
     QBL_ASSERT_CUDA(qbl_test::to_device(dl.get(o), logits));
     QBL_ASSERT_CUDA(qbl_test::to_device(dg.get(o), g));
+    QBL_ASSERT_CUDA(cudaMemset(stats.get(), 0, 8 * sizeof(float)));  // all 8 are downloaded
     for (auto* p : {dmix_re.get(o), dmix_re2.get(o)})
       QBL_ASSERT_CUDA(cudaMemset(p, qbl_test::poison_byte, n * sizeof(G)));
     const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
@@ -302,11 +327,11 @@ TYPED_TEST(ActivationStages, FusedStagesEqualTheActivationFollowedByThePlainStag
     QBL_ASSERT_CUDA(cudaGetLastError());
     QBL_ASSERT_CUDA((qbl::detail::launch_quant_blend_backward<X, G, L, Act>(
         dg.get(o), dh.get(o), dl.get(o), scale, dgh2.get(o), dgl2.get(o), dmix_re.get(o), s.tokens,
-        s.features, qbl::QuantGrad::zero, nullptr)));
+        s.features, qbl::QuantGrad::zero, 0, nullptr)));
     // Only the recomputed mixed: no g_mixed, no gradient.
     QBL_ASSERT_CUDA((qbl::detail::launch_quant_blend_backward<X, G, L, Act>(
         static_cast<const G*>(nullptr), dh.get(o), dl.get(o), scale, static_cast<X*>(nullptr),
-        static_cast<L*>(nullptr), dmix_re2.get(o), s.tokens, s.features, qbl::QuantGrad::zero,
+        static_cast<L*>(nullptr), dmix_re2.get(o), s.tokens, s.features, qbl::QuantGrad::zero, 0,
         nullptr)));
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<float> grad_h = download(dgh.get(o), n);
@@ -328,6 +353,29 @@ TYPED_TEST(ActivationStages, FusedStagesEqualTheActivationFollowedByThePlainStag
   }
 }
 
+TEST(ActivationTable, IndexCoversEachInputOfItsRangeOnce) {
+  // Host-side: table_index maps exactly the bf16 values of magnitude in [2^-12, 16) (each sign)
+  // one-to-one onto the table's entries, and table_input_bits gives each entry's input back.
+  std::vector<int> hits(qbl::detail::table_entries, 0);
+  int inside = 0;
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    const auto bits16 = static_cast<std::uint16_t>(b);
+    std::uint32_t f32 = b << 16;
+    float v;
+    std::memcpy(&v, &f32, sizeof v);
+    const bool in_range = std::fabs(v) >= 0x1p-12f && std::fabs(v) < 16.0f;  // false for NaN
+    const int i = qbl::detail::table_index(bits16);
+    ASSERT_EQ(i >= 0, in_range) << "bits " << b;
+    if (i < 0) continue;
+    ASSERT_LT(i, qbl::detail::table_entries);
+    ++hits[static_cast<std::size_t>(i)];
+    ++inside;
+    EXPECT_EQ(qbl::detail::table_input_bits(i), bits16);
+  }
+  EXPECT_EQ(inside, qbl::detail::table_entries);
+  for (int i = 0; i < qbl::detail::table_entries; ++i) EXPECT_EQ(hits[i], 1) << "entry " << i;
+}
+
 TEST(ActivationStagesArgs, RecomputingNeedsXLogitsAndScale) {
   // Checked before any launch: no GPU needed to see the refusals.
   float scale = 1.0f;
@@ -335,12 +383,12 @@ TEST(ActivationStagesArgs, RecomputingNeedsXLogitsAndScale) {
   const float* none = nullptr;
   EXPECT_EQ(
       (qbl::detail::launch_quant_blend_backward<float, float, float, qbl::Gelu>(
-          none, none, buf, &scale, nullptr, nullptr, buf, 1, 4, qbl::QuantGrad::zero, nullptr)),
+          none, none, buf, &scale, nullptr, nullptr, buf, 1, 4, qbl::QuantGrad::zero, 0, nullptr)),
       cudaErrorInvalidValue)
       << "a recomputed mixed without x";
   EXPECT_EQ(
       (qbl::detail::launch_quant_blend_backward<float, float, float, qbl::Gelu>(
-          none, buf, none, &scale, nullptr, nullptr, buf, 1, 4, qbl::QuantGrad::zero, nullptr)),
+          none, buf, none, &scale, nullptr, nullptr, buf, 1, 4, qbl::QuantGrad::zero, 0, nullptr)),
       cudaErrorInvalidValue)
       << "a recomputed mixed without logits";
   EXPECT_EQ((qbl::quant_blend_backward<float, float, float, qbl::Gelu>(buf, none, buf, &scale,

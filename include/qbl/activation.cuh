@@ -16,6 +16,11 @@
 //                    the rounding to T
 //   both(dy, h, y, dh)  the two at once, sharing what both compute (erf, tanh, exp): the same
 //                    bits as forward() and backward(), for the backward kernel that needs both
+// GELU (both forms) and SiLU split their backward in two: prepare(h, y, d) computes forward(h)
+// and the `terms` numbers d the backward needs of h alone, apply(dy, d) the rest, so that
+// both() is exactly prepare() then apply(). The kernels keep prepare()'s results for every
+// bfloat16 input of a range in a table in shared memory (qbl/detail/activation_table.cuh), made
+// by the same device code, and look them up instead of evaluating erf, tanh or exp per element.
 // Eager's kernels are compiled without fast math and with nvcc's default contraction of a
 // product feeding a sum into one fused multiply-add; the expressions below are eager's, in the
 // same order, with each rounding written out (__fmaf_rn where the compiled kernel fuses,
@@ -42,6 +47,7 @@ namespace qbl {
 /// No activation: the layer quantizes its input itself.
 struct Identity {
   static constexpr Activation kind = Activation::identity;
+  static constexpr bool tabulated = false;
   QBL_HOST_DEVICE static float forward(float h) { return h; }
   QBL_HOST_DEVICE static float backward(float dy, float) { return dy; }
   QBL_HOST_DEVICE static void both(float dy, float h, float& y, float& dh) {
@@ -50,53 +56,72 @@ struct Identity {
   }
 };
 
-/// F.gelu(h) (approximate="none"): h * 0.5 * (1 + erf(h / sqrt(2))).
-struct Gelu {
-  static constexpr Activation kind = Activation::gelu;
-  static constexpr float alpha = static_cast<float>(0.70710678118654752440);  // M_SQRT1_2
-  /// M_2_SQRTPI * M_SQRT1_2 * 0.5 in double, rounded once (eager's constexpr kBeta).
-  static constexpr float beta =
-      static_cast<float>(1.12837916709551257390 * 0.70710678118654752440 * 0.5);
-  QBL_HOST_DEVICE static float forward(float h) {
-    using namespace detail;
-    return mul_rn(mul_rn(h, 0.5f), add_rn(1.0f, erff(mul_rn(h, alpha))));
+namespace detail {
+
+/// backward() and both() of an activation that has prepare(h, y, d) and apply(dy, d): both() is
+/// prepare() then apply(), and backward() is both()'s gradient.
+template <typename Act>
+struct PreparedBackward {
+  static constexpr bool tabulated = true;
+  QBL_HOST_DEVICE static void both(float dy, float h, float& y, float& dh) {
+    float d[Act::terms];
+    Act::prepare(h, y, d);
+    dh = Act::apply(dy, d);
   }
-  /// dy * (cdf + h * pdf): cdf = 0.5 * (1 + erf(h * alpha)), pdf = exp(-0.5 * h * h) * beta.
   QBL_HOST_DEVICE static float backward(float dy, float h) {
     float y, dh;
     both(dy, h, y, dh);
     return dh;
   }
-  QBL_HOST_DEVICE static void both(float dy, float h, float& y, float& dh) {
+};
+
+}  // namespace detail
+
+/// F.gelu(h) (approximate="none"): h * 0.5 * (1 + erf(h / sqrt(2))).
+struct Gelu : detail::PreparedBackward<Gelu> {
+  static constexpr Activation kind = Activation::gelu;
+  static constexpr float alpha = static_cast<float>(0.70710678118654752440);  // M_SQRT1_2
+  /// M_2_SQRTPI * M_SQRT1_2 * 0.5 in double, rounded once (eager's constexpr kBeta).
+  static constexpr float beta =
+      static_cast<float>(1.12837916709551257390 * 0.70710678118654752440 * 0.5);
+  static constexpr int terms = 1;
+  QBL_HOST_DEVICE static float forward(float h) {
+    using namespace detail;
+    return mul_rn(mul_rn(h, 0.5f), add_rn(1.0f, erff(mul_rn(h, alpha))));
+  }
+  /// forward(h), and d[0] = cdf + h * pdf with cdf = 0.5 * (1 + erf(h * alpha)),
+  /// pdf = exp(-0.5 * h * h) * beta.
+  QBL_HOST_DEVICE static void prepare(float h, float& y, float (&d)[terms]) {
     using namespace detail;
     const float one_plus_erf = add_rn(1.0f, erff(mul_rn(h, alpha)));
     y = mul_rn(mul_rn(h, 0.5f), one_plus_erf);
     const float cdf = mul_rn(0.5f, one_plus_erf);
     const float pdf = mul_rn(expf(mul_rn(mul_rn(-0.5f, h), h)), beta);
-    dh = mul_rn(dy, add_rn(cdf, mul_rn(h, pdf)));
+    d[0] = add_rn(cdf, mul_rn(h, pdf));
+  }
+  /// dy * (cdf + h * pdf).
+  QBL_HOST_DEVICE static float apply(float dy, const float (&d)[terms]) {
+    return detail::mul_rn(dy, d[0]);
   }
 };
 
 /// F.gelu(h, approximate="tanh"): 0.5 * h * (1 + tanh(beta * (h + kappa * h^3))).
-struct GeluTanh {
+struct GeluTanh : detail::PreparedBackward<GeluTanh> {
   static constexpr Activation kind = Activation::gelu_tanh;
   /// M_SQRT2 * M_2_SQRTPI * 0.5 in double, rounded once (eager's kBeta).
   static constexpr float beta =
       static_cast<float>(1.41421356237309504880 * 1.12837916709551257390 * 0.5);
   static constexpr float kappa = static_cast<float>(0.044715);
   static constexpr float three_kappa = 3.0f * kappa;  // eager's opmath_t(3) * kKappa, in float
+  static constexpr int terms = 1;
   QBL_HOST_DEVICE static float forward(float h) {
     using namespace detail;
     const float cube = mul_rn(mul_rn(h, h), h);
     const float inner = mul_rn(beta, fma_rn(kappa, cube, h));
     return mul_rn(mul_rn(0.5f, h), add_rn(1.0f, tanhf(inner)));
   }
-  QBL_HOST_DEVICE static float backward(float dy, float h) {
-    float y, dh;
-    both(dy, h, y, dh);
-    return dh;
-  }
-  QBL_HOST_DEVICE static void both(float dy, float h, float& y, float& dh) {
+  /// forward(h), and d[0] = left_derivative + right_derivative (eager's names).
+  QBL_HOST_DEVICE static void prepare(float h, float& y, float (&d)[terms]) {
     using namespace detail;
     const float sq = mul_rn(h, h);
     const float cube = mul_rn(sq, h);  // forward()'s h * h * h
@@ -109,7 +134,11 @@ struct GeluTanh {
     const float tanh_derivative = fma_rn(-t, t, 1.0f);
     const float inner_derivative = mul_rn(beta, fma_rn(three_kappa, sq, 1.0f));
     const float right_derivative = mul_rn(mul_rn(left, tanh_derivative), inner_derivative);
-    dh = mul_rn(dy, add_rn(left_derivative, right_derivative));
+    d[0] = add_rn(left_derivative, right_derivative);
+  }
+  /// dy * (left_derivative + right_derivative).
+  QBL_HOST_DEVICE static float apply(float dy, const float (&d)[terms]) {
+    return detail::mul_rn(dy, d[0]);
   }
 };
 
@@ -118,6 +147,7 @@ struct GeluTanh {
 /// threshold_backward(dy, relu(h), 0), passes dy where the output is above 0 (or NaN).
 struct Relu {
   static constexpr Activation kind = Activation::relu;
+  static constexpr bool tabulated = false;  // a compare and a select: nothing to save
   QBL_HOST_DEVICE static float forward(float h) { return h != h ? h : (h > 0.0f ? h : 0.0f); }
   QBL_HOST_DEVICE static float backward(float dy, float h) {
     return forward(h) <= 0.0f ? 0.0f : dy;
@@ -129,24 +159,26 @@ struct Relu {
 };
 
 /// F.silu(h) = h / (1 + exp(-h)).
-struct Silu {
+struct Silu : detail::PreparedBackward<Silu> {
   static constexpr Activation kind = Activation::silu;
+  static constexpr int terms = 2;
   QBL_HOST_DEVICE static float forward(float h) {
     using namespace detail;
     return div_rn(h, add_rn(1.0f, expf(-h)));
   }
-  /// dy * s * (1 + h * (1 - s)), s = 1 / (1 + exp(-h)): silu_backward.
-  QBL_HOST_DEVICE static float backward(float dy, float h) {
-    float y, dh;
-    both(dy, h, y, dh);
-    return dh;
-  }
-  QBL_HOST_DEVICE static void both(float dy, float h, float& y, float& dh) {
+  /// forward(h), d[0] = s = 1 / (1 + exp(-h)) and d[1] = 1 + h * (1 - s).
+  QBL_HOST_DEVICE static void prepare(float h, float& y, float (&d)[terms]) {
     using namespace detail;
     const float one_plus_exp = add_rn(1.0f, expf(-h));
     y = div_rn(h, one_plus_exp);
     const float s = div_rn(1.0f, one_plus_exp);
-    dh = mul_rn(mul_rn(dy, s), fma_rn(h, sub_rn(1.0f, s), 1.0f));
+    d[0] = s;
+    d[1] = fma_rn(h, sub_rn(1.0f, s), 1.0f);
+  }
+  /// dy * s * (1 + h * (1 - s)): silu_backward.
+  QBL_HOST_DEVICE static float apply(float dy, const float (&d)[terms]) {
+    using namespace detail;
+    return mul_rn(mul_rn(dy, d[0]), d[1]);
   }
 };
 

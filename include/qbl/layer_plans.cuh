@@ -319,6 +319,7 @@ class BackwardPlan {
   GemmPlan<G> dgrad_, wgrad_;
   std::int64_t overlap_tokens_ = 0;  ///< wgrad beside dgrad up to this token count
   int device_ = -1, sms_ = 0;
+  int element_blocks_ = 0;  ///< detail::backward_max_blocks: the element kernel's most blocks
 };
 
 }  // namespace qbl

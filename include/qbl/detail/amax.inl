@@ -2,6 +2,7 @@
 #pragma once
 
 #include <qbl/amax.cuh>
+#include <qbl/detail/activation_table.cuh>
 #include <qbl/detail/vec.cuh>
 
 #include <algorithm>
@@ -17,21 +18,25 @@ __device__ __forceinline__ std::uint32_t abs_bits_of(T v) {
   return abs_bits(activate<Act, T>(to_float(v)));
 }
 
-template <typename Act, typename T, int N>
-__device__ __forceinline__ std::uint32_t max_abs_bits(const Vec<T, N>& v, std::uint32_t m) {
+/// The max of m and abs_bits over act(v), from the table where it has one.
+template <typename Act, typename T, int N, typename Table>
+__device__ __forceinline__ std::uint32_t max_abs_bits(const Vec<T, N>& v, std::uint32_t m,
+                                                      const Table& table) {
+  const Vec<T, N> a = activate_vec<Act>(v, table);
 #pragma unroll
-  for (int j = 0; j < N; ++j) m = max(m, abs_bits_of<Act>(v.v[j]));
+  for (int j = 0; j < N; ++j) m = max(m, abs_bits(to_float(a.v[j])));
   return m;
 }
 
 /// Per-thread max of abs_bits over act(x[0, n)): elements [0, head) and the tail scalar, the
-/// aligned middle as N-wide vectors, four independent loads in flight per iteration.
-/// `thread` / `threads` are this thread's rank and the count taking part.
-template <typename T, int N, typename Act>
+/// aligned middle as N-wide vectors (act from `table` where it has one), four independent loads
+/// in flight per iteration. `thread` / `threads` are this thread's rank and the count taking part.
+template <typename T, int N, typename Act, typename Table>
 __device__ __forceinline__ std::uint32_t thread_abs_max_bits(const T* __restrict__ x,
                                                              std::int64_t n, std::int64_t head,
                                                              std::int64_t thread,
-                                                             std::int64_t threads) {
+                                                             std::int64_t threads,
+                                                             const Table& table) {
   std::uint32_t m = 0;
   const std::int64_t nvec = (n - head) / N;
   const auto* xv = reinterpret_cast<const Vec<T, N>*>(x + head);
@@ -41,12 +46,12 @@ __device__ __forceinline__ std::uint32_t thread_abs_max_bits(const T* __restrict
     const Vec<T, N> b = xv[i + threads];
     const Vec<T, N> c = xv[i + 2 * threads];
     const Vec<T, N> d = xv[i + 3 * threads];
-    m = max_abs_bits<Act>(a, m);
-    m = max_abs_bits<Act>(b, m);
-    m = max_abs_bits<Act>(c, m);
-    m = max_abs_bits<Act>(d, m);
+    m = max_abs_bits<Act>(a, m, table);
+    m = max_abs_bits<Act>(b, m, table);
+    m = max_abs_bits<Act>(c, m, table);
+    m = max_abs_bits<Act>(d, m, table);
   }
-  for (; i < nvec; i += threads) m = max_abs_bits<Act>(xv[i], m);
+  for (; i < nvec; i += threads) m = max_abs_bits<Act>(xv[i], m, table);
   // Scalar head [0, head) and tail [head + nvec * N, n): fewer than 2 * N elements.
   const std::int64_t tail = head + nvec * N;
   const std::int64_t rest = head + (n - tail);
@@ -58,11 +63,13 @@ __device__ __forceinline__ std::uint32_t thread_abs_max_bits(const T* __restrict
 }
 
 template <typename T, int BLOCK_THREADS, int N, typename Act>
-QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
+QBL_KERNEL void __launch_bounds__(
+    BLOCK_THREADS, table_min_blocks<ActivationTable<Act, T, false>::enabled>(BLOCK_THREADS))
     amax_kernel(const T* __restrict__ x, std::int64_t n, std::int64_t head,
                 std::uint32_t* __restrict__ amax_bits) {
   using BlockAmax = BlockAbsMax<T, BLOCK_THREADS>;
   __shared__ typename BlockAmax::TempStorage temp;
+  __shared__ ActivationTable<Act, T, false> table;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // A programmatic dependent (the quant-blend kernel) may be scheduled as SMs free up; it waits
   // for this grid's completion before it reads the result.
@@ -70,8 +77,9 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
 #endif
   const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * BLOCK_THREADS + threadIdx.x;
   const std::int64_t threads = static_cast<std::int64_t>(gridDim.x) * BLOCK_THREADS;
-  const std::uint32_t m =
-      BlockAmax(temp).reduce_bits(thread_abs_max_bits<T, N, Act>(x, n, head, thread, threads));
+  fill_table(table, false);
+  const std::uint32_t m = BlockAmax(temp).reduce_bits(
+      thread_abs_max_bits<T, N, Act>(x, n, head, thread, threads, table));
   if (threadIdx.x == 0 && m != 0) atomicMax(amax_bits, m);
 }
 
@@ -79,18 +87,21 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
 /// quant-blend kernel reduces them after its grid-dependency wait). partials[blockIdx.x] gets the
 /// block's max of abs_bits: no atomics, and nothing to reset between calls.
 template <typename T, int BLOCK_THREADS, int N, typename Act>
-QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
+QBL_KERNEL void __launch_bounds__(
+    BLOCK_THREADS, table_min_blocks<ActivationTable<Act, T, false>::enabled>(BLOCK_THREADS))
     amax_partials_kernel(const T* __restrict__ x, std::int64_t n, std::int64_t head,
                          std::uint32_t* __restrict__ partials) {
   using BlockAmax = BlockAbsMax<T, BLOCK_THREADS>;
   __shared__ typename BlockAmax::TempStorage temp;
+  __shared__ ActivationTable<Act, T, false> table;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaTriggerProgrammaticLaunchCompletion();
 #endif
   const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * BLOCK_THREADS + threadIdx.x;
   const std::int64_t threads = static_cast<std::int64_t>(gridDim.x) * BLOCK_THREADS;
-  const std::uint32_t m =
-      BlockAmax(temp).reduce_bits(thread_abs_max_bits<T, N, Act>(x, n, head, thread, threads));
+  fill_table(table, false);
+  const std::uint32_t m = BlockAmax(temp).reduce_bits(
+      thread_abs_max_bits<T, N, Act>(x, n, head, thread, threads, table));
   if (threadIdx.x == 0) partials[blockIdx.x] = m;
 }
 

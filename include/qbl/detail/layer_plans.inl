@@ -195,6 +195,7 @@ BackwardPlan<X, G, L, Act>::BackwardPlan(std::int64_t in_features, std::int64_t 
           detail::overlap_tokens(options.overlap_wgrad, in_features, out_features, max_tokens)) {
   QBL_CUDA_TRY(cudaGetDevice(&device_));
   QBL_CUDA_TRY(detail::sm_count(&sms_));
+  QBL_CUDA_TRY((detail::backward_max_blocks<X, G, L, Act>(&element_blocks_)));
 }
 
 template <typename X, typename G, typename L, typename Act>
@@ -370,7 +371,8 @@ void BackwardPlan<X, G, L, Act>::run(const Arguments& a, void* workspace, SideSt
       const detail::NvtxRange range("qbl recompute mixed");
       QBL_CUDA_TRY((detail::launch_quant_blend_backward<X, G, L, Act>(
           static_cast<const G*>(nullptr), a.x, a.logits, a.stats + 1, static_cast<X*>(nullptr),
-          static_cast<L*>(nullptr), recomputed, a.tokens, in, a.quant_grad, wstream)));
+          static_cast<L*>(nullptr), recomputed, a.tokens, in, a.quant_grad, element_blocks_,
+          wstream)));
     }
     weight_and_bias(wstream, ws + (fork ? l.wgrad_ws : l.dgrad_ws));
   }
@@ -388,7 +390,8 @@ void BackwardPlan<X, G, L, Act>::run(const Arguments& a, void* workspace, SideSt
     }
     QBL_CUDA_TRY((detail::launch_quant_blend_backward<X, G, L, Act>(
         g_mixed, a.x, a.logits, a.stats + 1, a.grad_x, a.grad_logits,
-        recompute_in_element_kernel ? recomputed : nullptr, a.tokens, in, a.quant_grad, stream)));
+        recompute_in_element_kernel ? recomputed : nullptr, a.tokens, in, a.quant_grad,
+        element_blocks_, stream)));
   }
   if (recompute_in_element_kernel) weight_and_bias(stream, ws + l.dgrad_ws);
   QBL_CUDA_TRY(join.join());

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <qbl/amax.cuh>
+#include <qbl/detail/activation_table.cuh>
 #include <qbl/detail/quant_blend_math.cuh>
 #include <qbl/detail/vec.cuh>
 #include <qbl/element_math.cuh>
@@ -95,22 +96,25 @@ __device__ __forceinline__ void fill_gates(const T* __restrict__ logits, TileRow
 }
 
 /// mixed for this thread's vectors of the tile at `base` (thread, then every THREADS-th), from
-/// their x values `in` and the tile's gates.
-template <typename Math, int THREADS, int U, typename V, typename W, typename Table>
+/// their inputs `in` (act(in) from act_table where it has one) and the tile's gates. Each vector
+/// is activated just before its blend, so that only one vector's activation is live at a time.
+template <typename Act, typename Math, int THREADS, int U, typename V, typename W, typename Table,
+          typename ActTable>
 __device__ __forceinline__ void blend_tile(const Math& math, const V (&in)[U], W* __restrict__ mv,
                                            std::int64_t base, std::int64_t total,
                                            TileRows::Span span, const Table& table,
-                                           const TileRows& rows_of) {
+                                           const ActTable& act_table, const TileRows& rows_of) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const std::int64_t g = base + threadIdx.x + u * THREADS;
     if (g < total)
-      mv[g] = math.apply(in[u],
+      mv[g] = math.apply(activate_vec<Act>(in[u], act_table),
                          table.gate[rows_of.row_in_tile(span.offset + threadIdx.x + u * THREADS)]);
   }
 }
 
-/// mixed for the rows [0, tokens), shared out over `blocks` blocks of THREADS threads.
+/// mixed for the rows [0, tokens), shared out over `blocks` blocks of THREADS threads, act(x)
+/// from `act_table` where it has one (filled before the call).
 ///
 /// The rows are one flat run of `features / N` vectors each, cut into tiles of THREADS * U
 /// consecutive vectors, tile i going to block i mod blocks: every thread has U vectors of work
@@ -120,11 +124,12 @@ __device__ __forceinline__ void blend_tile(const Math& math, const V (&in)[U], W
 /// once), so a kernel launched as a programmatic dependent of the amax kernel has its reads in
 /// flight while that kernel drains.
 template <typename X, typename G, typename L, typename Act, int N, int THREADS, int U,
-          typename GetScale>
+          typename GetScale, typename ActTable>
 __device__ __forceinline__ void quant_blend_tiles(
     const X* __restrict__ x, const L* __restrict__ logits, GetScale get_scale,
     G* __restrict__ mixed, std::int64_t tokens, std::int64_t features, FastDiv cols_div,
-    GateTable<QuantBlendMath<X, G, L, N>, THREADS, U>& table, unsigned block, unsigned blocks) {
+    GateTable<QuantBlendMath<X, G, L, N>, THREADS, U>& table, const ActTable& act_table,
+    unsigned block, unsigned blocks) {
   using Math = QuantBlendMath<X, G, L, N>;
   constexpr std::int64_t tile = std::int64_t{THREADS} * U;
   const std::int64_t cols = features / N;
@@ -144,10 +149,8 @@ __device__ __forceinline__ void quant_blend_tiles(
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const std::int64_t g = base + threadIdx.x + u * THREADS;
-      if (g < total) in[u] = xv[g];  // the activation's input; act(x) comes after the loads
+      if (g < total) in[u] = xv[g];  // the activation's input
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u) in[u] = activate_vec<Act>(in[u]);
     const TileRows::Span span{row, offset, rows_of.rows_from(offset, total - base)};
     fill_gates<Math>(logits, span, table, THREADS);
     __syncthreads();
@@ -155,7 +158,7 @@ __device__ __forceinline__ void quant_blend_tiles(
       math.set_scale(get_scale());
       have_scale = true;
     }
-    blend_tile<Math, THREADS, U>(math, in, mv, base, total, span, table, rows_of);
+    blend_tile<Act, Math, THREADS, U>(math, in, mv, base, total, span, table, act_table, rows_of);
     __syncthreads();  // the next tile's gates overwrite this one's
     row += step_rows;
     offset += step_offset;
@@ -223,19 +226,25 @@ struct ScaleFrom {
 
 template <typename X, typename G, typename L, typename Act, int BLOCK_THREADS, int N,
           typename Source>
-QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
+QBL_KERNEL void __launch_bounds__(
+    BLOCK_THREADS, table_min_blocks<ActivationTable<Act, X, false>::enabled>(BLOCK_THREADS))
     quant_blend_kernel(const X* __restrict__ x, const L* __restrict__ logits, Source source,
                        G* __restrict__ mixed, std::int64_t tokens, std::int64_t features,
                        FastDiv cols_div) {
   using Scale = ScaleFrom<X, BLOCK_THREADS>;
   __shared__ GateTable<QuantBlendMath<X, G, L, N>, BLOCK_THREADS, vectors_in_flight> table;
   __shared__ typename Scale::Shared scale_shared;
+  __shared__ ActivationTable<Act, X, false> act_table;
+  fill_table(act_table, false);  // before any wait: it overlaps the amax kernel's end
   auto get_scale = [&] { return Scale::get(source, scale_shared); };
   quant_blend_tiles<X, G, L, Act, N, BLOCK_THREADS, vectors_in_flight>(
-      x, logits, get_scale, mixed, tokens, features, cols_div, table, blockIdx.x, gridDim.x);
+      x, logits, get_scale, mixed, tokens, features, cols_div, table, act_table, blockIdx.x,
+      gridDim.x);
 }
 
-/// Both stages in one block: the amax never leaves shared memory before the blend reads it.
+/// Both stages in one block: the amax never leaves shared memory before the blend reads it. No
+/// activation table: for at most amax_quant_blend_single_block_elements elements, filling it
+/// would cost about what it saves.
 template <typename X, typename G, typename L, typename Act, int BLOCK_THREADS, int N>
 QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
     amax_quant_blend_single_block_kernel(const X* __restrict__ x, const L* __restrict__ logits,
@@ -247,8 +256,9 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   __shared__ typename BlockAmax::TempStorage temp;
   __shared__ float shared_scale;
   __shared__ GateTable<QuantBlendMath<X, G, L, N>, BLOCK_THREADS, single_block_vectors> table;
-  const std::uint32_t m = BlockAmax(temp).reduce_bits(
-      thread_abs_max_bits<X, N, Act>(x, tokens * features, head, threadIdx.x, BLOCK_THREADS));
+  const ActivationTable<Act, void, false> no_table;
+  const std::uint32_t m = BlockAmax(temp).reduce_bits(thread_abs_max_bits<X, N, Act>(
+      x, tokens * features, head, threadIdx.x, BLOCK_THREADS, no_table));
   if (threadIdx.x == 0) {
     const float a = from_abs_bits(m);
     const float s = scale_from_amax<X>(a);
@@ -259,7 +269,8 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   __syncthreads();
   const float scale = shared_scale;
   quant_blend_tiles<X, G, L, Act, N, BLOCK_THREADS, single_block_vectors>(
-      x, logits, [scale] { return scale; }, mixed, tokens, features, cols_div, table, 0, 1);
+      x, logits, [scale] { return scale; }, mixed, tokens, features, cols_div, table, no_table, 0,
+      1);
 }
 
 /// The divider quant_blend_tiles needs for rows of `cols` vectors: by cols where rows are shorter

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <qbl/activation.cuh>
+#include <qbl/detail/activation_table.cuh>
 #include <qbl/detail/quant_blend_math.cuh>
 #include <qbl/detail/vec.cuh>
 #include <qbl/element_math.cuh>
@@ -146,7 +147,9 @@ struct QuantBlendGradMath<T, T, T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && s
 /// One warp per token row: each lane takes every 32nd vector of the row, U at a time (all their
 /// loads issued before any use), computes grad_x for them and its share of the two sums, and the
 /// warp combines the shares in a fixed butterfly order (each merge an exact two-sum, so both lanes
-/// of a pair get the same bits), so the result is deterministic.
+/// of a pair get the same bits), so the result is deterministic. A block's warps take rows
+/// blockIdx.x * 8 + warp, then every gridDim.x * 8-th: where the activation has a table, the
+/// launch has only as many blocks as are resident at once, so that each fills its table once.
 ///
 /// With an activation Act, x holds the activation's input h: the sums and the recomputed mixed
 /// use act(h) rounded to X (as the forward did), and grad_x becomes the gradient of h,
@@ -158,93 +161,109 @@ struct QuantBlendGradMath<T, T, T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && s
 /// writes it, and a lane's loads of a group all come before its stores), so neither carries
 /// __restrict__.
 template <typename X, typename G, typename L, typename Act, bool MIXED, int N>
-QBL_KERNEL void __launch_bounds__(backward_block_threads)
+QBL_KERNEL void __launch_bounds__(
+    backward_block_threads,
+    table_min_blocks<ActivationTable<Act, X, true>::enabled>(backward_block_threads))
     quant_blend_backward_kernel(const G* g_mixed, const X* __restrict__ x,
                                 const L* __restrict__ logits, const float* __restrict__ scale_in,
                                 X* grad_x, L* __restrict__ grad_logits, G* __restrict__ mixed,
                                 std::int64_t tokens, std::int64_t features, QuantGrad quant_grad) {
   constexpr int U = backward_vectors_in_flight;
   constexpr bool identity = std::is_same_v<Act, Identity>;
-  const std::int64_t row =
-      static_cast<std::int64_t>(blockIdx.x) * backward_rows_per_block + threadIdx.x / 32;
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  if (row >= tokens) return;
-  const std::int64_t cols = features / N;
-  const auto* gv = reinterpret_cast<const Vec<G, N>*>(g_mixed) + row * cols;
-  const auto* xv = reinterpret_cast<const Vec<X, N>*>(x) + row * cols;
-  auto* out = reinterpret_cast<Vec<X, N>*>(grad_x) + row * cols;
-  auto* mv = reinterpret_cast<Vec<G, N>*>(mixed) + row * cols;
   const bool want_logits = grad_logits != nullptr, want_x = grad_x != nullptr;
   const bool want_g = want_logits || want_x;
   // x (h) is read for the sums, for the recomputed mixed and for the activation's backward.
   const bool read_x = want_logits || MIXED || (want_x && !identity);
-  Vec<G, N> g[U];
-  Vec<X, N> xs[U];
-  auto load = [&](std::int64_t c0) {
+  using Table = ActivationTable<Act, X, true>;
+  __shared__ Table table;
+  fill_table(table, want_x);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t cols = features / N;
+  auto one_row = [&](std::int64_t row) {
+    const auto* gv = reinterpret_cast<const Vec<G, N>*>(g_mixed) + row * cols;
+    const auto* xv = reinterpret_cast<const Vec<X, N>*>(x) + row * cols;
+    auto* out = reinterpret_cast<Vec<X, N>*>(grad_x) + row * cols;
+    auto* mv = reinterpret_cast<Vec<G, N>*>(mixed) + row * cols;
+    Vec<G, N> g[U];
+    Vec<X, N> xs[U];
+    auto load = [&](std::int64_t c0) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const std::int64_t c = c0 + 32 * u;
-      if (c < cols) {
-        if (want_g) g[u] = gv[c];
-        if (read_x) xs[u] = xv[c];
+      for (int u = 0; u < U; ++u) {
+        const std::int64_t c = c0 + 32 * u;
+        if (c < cols) {
+          if (want_g) g[u] = gv[c];
+          if (read_x) xs[u] = xv[c];
+        }
+      }
+    };
+    // The first group's loads go out before the gate's exp and the scale's reciprocal.
+    load(lane);
+    const float scale = *scale_in;
+    const float alpha = sigmoid<L>(to_float(logits[row]));
+    const QuantBlendGradMath<X, G, L, N> math(scale, alpha, one_minus<L>(alpha), quant_grad);
+    using Forward = QuantBlendMath<X, G, L, N>;
+    Forward forward;
+    typename Forward::Gate gate{};
+    if constexpr (MIXED) {
+      forward.set_scale(scale);
+      gate = Forward::gate(logits[row]);
+    }
+    CompensatedSum sum_q, sum_x;
+    for (std::int64_t c0 = lane; c0 < cols; c0 += 32 * U) {
+      if (c0 != lane) load(c0);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const std::int64_t c = c0 + 32 * u;
+        if (c >= cols) break;
+        // act(h), what the forward quantized, and the gradient of h: where both are needed, the
+        // activation is evaluated (or looked up) once for both.
+        Vec<X, N> xa, gh;
+        if (want_x && (want_logits || MIXED)) {
+          activate_both_vec<Act>(math.grad_x(g[u]), xs[u], xa, gh, table);
+        } else if (want_x) {
+          gh = activate_backward_vec<Act>(math.grad_x(g[u]), xs[u], table);
+        } else {
+          xa = activate_vec<Act>(xs[u], table);
+        }
+        if (want_logits) math.sums(g[u], xa, sum_q, sum_x);
+        if (want_x) out[c] = gh;
+        if constexpr (MIXED) mv[c] = forward.apply(xa, gate);
       }
     }
+    if (!want_logits) return;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float qs = __shfl_xor_sync(0xffffffffu, sum_q.sum, offset);
+      const float ql = __shfl_xor_sync(0xffffffffu, sum_q.low, offset);
+      const float xs_ = __shfl_xor_sync(0xffffffffu, sum_x.sum, offset);
+      const float xl = __shfl_xor_sync(0xffffffffu, sum_x.low, offset);
+      sum_q.merge(qs, ql);
+      sum_x.merge(xs_, xl);
+    }
+    if (lane == 0)
+      grad_logits[row] = from_float<L>(
+          grad_logit_value<L>(grad_alpha_value<X, L>(sum_q.value(), sum_x.value()), alpha));
   };
-  // The first group's loads go out before the gate's exp and the scale's reciprocal.
-  load(lane);
-  const float scale = *scale_in;
-  const float alpha = sigmoid<L>(to_float(logits[row]));
-  const QuantBlendGradMath<X, G, L, N> math(scale, alpha, one_minus<L>(alpha), quant_grad);
-  using Forward = QuantBlendMath<X, G, L, N>;
-  Forward forward;
-  typename Forward::Gate gate{};
-  if constexpr (MIXED) {
-    forward.set_scale(scale);
-    gate = Forward::gate(logits[row]);
+  const std::int64_t first =
+      static_cast<std::int64_t>(blockIdx.x) * backward_rows_per_block + threadIdx.x / 32;
+  if constexpr (Table::enabled) {
+    const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * backward_rows_per_block;
+    for (std::int64_t row = first; row < tokens; row += step) one_row(row);
+  } else if (first < tokens) {
+    one_row(first);  // a block per 8 rows
   }
-  CompensatedSum sum_q, sum_x;
-  for (std::int64_t c0 = lane; c0 < cols; c0 += 32 * U) {
-    if (c0 != lane) load(c0);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const std::int64_t c = c0 + 32 * u;
-      if (c >= cols) break;
-      // act(h), what the forward quantized, and the gradient of h: where both are needed, the
-      // activation is evaluated once for both.
-      Vec<X, N> xa, gh;
-      if (want_x && (want_logits || MIXED)) {
-        activate_both_vec<Act>(math.grad_x(g[u]), xs[u], xa, gh);
-      } else if (want_x) {
-        gh = activate_backward_vec<Act>(math.grad_x(g[u]), xs[u]);
-      } else {
-        xa = activate_vec<Act>(xs[u]);
-      }
-      if (want_logits) math.sums(g[u], xa, sum_q, sum_x);
-      if (want_x) out[c] = gh;
-      if constexpr (MIXED) mv[c] = forward.apply(xa, gate);
-    }
-  }
-  if (!want_logits) return;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float qs = __shfl_xor_sync(0xffffffffu, sum_q.sum, offset);
-    const float ql = __shfl_xor_sync(0xffffffffu, sum_q.low, offset);
-    const float xs_ = __shfl_xor_sync(0xffffffffu, sum_x.sum, offset);
-    const float xl = __shfl_xor_sync(0xffffffffu, sum_x.low, offset);
-    sum_q.merge(qs, ql);
-    sum_x.merge(xs_, xl);
-  }
-  if (lane == 0)
-    grad_logits[row] = from_float<L>(
-        grad_logit_value<L>(grad_alpha_value<X, L>(sum_q.value(), sum_x.value()), alpha));
 }
 
 template <typename X, typename G, typename L, typename Act, bool MIXED, int N>
 cudaError_t launch_quant_blend_backward_kernel(const G* g_mixed, const X* x, const L* logits,
                                                const float* scale, X* grad_x, L* grad_logits,
                                                G* mixed, std::int64_t tokens, std::int64_t features,
-                                               QuantGrad quant_grad, cudaStream_t stream) {
-  const std::int64_t blocks = ceil_div<std::int64_t>(tokens, backward_rows_per_block);
+                                               QuantGrad quant_grad, int max_blocks,
+                                               cudaStream_t stream) {
+  std::int64_t blocks = ceil_div<std::int64_t>(tokens, backward_rows_per_block);
+  // Without a table each warp takes one row only: the kernel returns after it.
+  if (ActivationTable<Act, X, true>::enabled && max_blocks > 0 && blocks > max_blocks)
+    blocks = max_blocks;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   quant_blend_backward_kernel<X, G, L, Act, MIXED, N>
       <<<static_cast<unsigned>(blocks), backward_block_threads, 0, stream>>>(
@@ -256,7 +275,8 @@ template <typename X, typename G, typename L, typename Act, bool MIXED>
 cudaError_t launch_quant_blend_backward_width(const G* g_mixed, const X* x, const L* logits,
                                               const float* scale, X* grad_x, L* grad_logits,
                                               G* mixed, std::int64_t tokens, std::int64_t features,
-                                              QuantGrad quant_grad, cudaStream_t stream) {
+                                              QuantGrad quant_grad, int max_blocks,
+                                              cudaStream_t stream) {
   constexpr int N = vec16<X>;
   const bool want_g = grad_x != nullptr || grad_logits != nullptr;
   const bool read_x =
@@ -267,10 +287,38 @@ cudaError_t launch_quant_blend_backward_width(const G* g_mixed, const X* x, cons
                    (!MIXED || is_aligned(mixed, N * sizeof(G)));
   return vec ? launch_quant_blend_backward_kernel<X, G, L, Act, MIXED, N>(
                    g_mixed, x, logits, scale, grad_x, grad_logits, mixed, tokens, features,
-                   quant_grad, stream)
+                   quant_grad, max_blocks, stream)
              : launch_quant_blend_backward_kernel<X, G, L, Act, MIXED, 1>(
                    g_mixed, x, logits, scale, grad_x, grad_logits, mixed, tokens, features,
-                   quant_grad, stream);
+                   quant_grad, max_blocks, stream);
+}
+
+/// The most blocks a backward launch for these types needs (its max_blocks argument): where the
+/// activation has a table, as many as the multiprocessors hold at once of the least resident
+/// kernel variant, so that each block fills its table once and then loops over rows; else 0 (a
+/// block per 8 rows). Asked of the current device once per plan (no synchronization).
+template <typename X, typename G, typename L, typename Act>
+cudaError_t backward_max_blocks(int* max_blocks) {
+  *max_blocks = 0;
+  if constexpr (ActivationTable<Act, X, true>::enabled) {
+    int sms = 0;
+    QBL_CUDA_RETURN_IF_ERROR(sm_count(&sms));
+    constexpr int N = vec16<X>;
+    const void* kernels[] = {
+        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, false, N>),
+        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, true, N>),
+        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, false, 1>),
+        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, true, 1>)};
+    int least = 0;
+    for (const void* k : kernels) {
+      int resident = 0;
+      QBL_CUDA_RETURN_IF_ERROR(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, k, backward_block_threads, 0));
+      least = least == 0 ? resident : std::min(least, resident);
+    }
+    *max_blocks = sms * std::max(least, 1);
+  }
+  return cudaSuccess;
 }
 
 /// The quant-blend stage's backward (qbl::quant_blend_backward's body; the backward plan calls it
@@ -281,7 +329,7 @@ template <typename X, typename G, typename L, typename Act = Identity>
 cudaError_t launch_quant_blend_backward(const G* d_g_mixed, const X* d_x, const L* d_logits,
                                         const float* d_scale, X* d_grad_x, L* d_grad_logits,
                                         G* d_mixed, std::int64_t tokens, std::int64_t features,
-                                        QuantGrad quant_grad, cudaStream_t stream) {
+                                        QuantGrad quant_grad, int max_blocks, cudaStream_t stream) {
   if (tokens < 0 || features <= 0) return cudaErrorInvalidValue;
   const bool want_g = d_grad_x != nullptr || d_grad_logits != nullptr;
   if (tokens == 0 || (!want_g && d_mixed == nullptr)) return cudaSuccess;
@@ -298,10 +346,10 @@ cudaError_t launch_quant_blend_backward(const G* d_g_mixed, const X* d_x, const 
   }
   return d_mixed != nullptr ? launch_quant_blend_backward_width<X, G, L, Act, true>(
                                   d_g_mixed, d_x, d_logits, d_scale, d_grad_x, d_grad_logits,
-                                  d_mixed, tokens, features, quant_grad, stream)
+                                  d_mixed, tokens, features, quant_grad, max_blocks, stream)
                             : launch_quant_blend_backward_width<X, G, L, Act, false>(
                                   d_g_mixed, d_x, d_logits, d_scale, d_grad_x, d_grad_logits,
-                                  nullptr, tokens, features, quant_grad, stream);
+                                  nullptr, tokens, features, quant_grad, max_blocks, stream);
 }
 
 // ---- the bias gradient: column sums ----------------------------------------------------------
@@ -458,9 +506,11 @@ cudaError_t quant_blend_backward(const detail::type_identity_t<G>* d_g_mixed, co
                 "quant_blend_backward: one element type, or fp32 x with a bf16/fp16 g_mixed "
                 "(logits fp32 or of g_mixed's type)");
   static_assert(detail::is_activation<Act>, "quant_blend_backward: Act is one of qbl::Activations");
+  int max_blocks = 0;
+  QBL_CUDA_RETURN_IF_ERROR((detail::backward_max_blocks<X, G, L, Act>(&max_blocks)));
   return detail::launch_quant_blend_backward<X, G, L, Act>(
       d_g_mixed, d_x, d_logits, d_scale, d_grad_x, d_grad_logits, static_cast<G*>(nullptr), tokens,
-      features, quant_grad, stream);
+      features, quant_grad, max_blocks, stream);
 }
 
 template <typename T>
