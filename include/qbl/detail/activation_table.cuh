@@ -78,7 +78,6 @@ struct ActivationTable {
 template <typename Act, bool DERIVATIVE>
 struct ActivationTable<Act, __nv_bfloat16, DERIVATIVE, std::enable_if_t<Act::tabulated>> {
   static constexpr bool enabled = true;
-  static constexpr int terms = DERIVATIVE ? Act::terms : 1;
   std::uint16_t y[table_entries];  ///< bits of RN_bf16(act(h))
   float d[DERIVATIVE ? Act::terms : 1][DERIVATIVE ? table_entries : 1];
 
