@@ -200,7 +200,7 @@ TEST(LayerPlans, PlansWithACallersWorkspaceEqualTheOwningClass) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   qbl::SideStream side;
   for (const qbl::Choice overlap : {qbl::Choice::yes, qbl::Choice::no}) {
-    SCOPED_TRACE(overlap == qbl::Choice::yes ? "wgrad beside dgrad" : "wgrad after dgrad");
+    SCOPED_TRACE(overlap == qbl::Choice::yes ? "wgrad beside dgrad" : "wgrad on the same stream");
     Problem p(700, 384, 160, seed), q(700, 384, 160, seed);
     qbl::Options o;
     o.overlap_wgrad = overlap;
@@ -548,7 +548,7 @@ TEST(BackwardPlanArguments, EveryBadArgumentThrowsItsTypeAndTouchesNothing) {
 // ---- side streams -------------------------------------------------------------------------------
 
 /// A backward problem with the forward already run, and the serial backward's results (no side
-/// stream: wgrad after dgrad).
+/// stream: wgrad serialized with dgrad).
 struct SideStreamSetup {
   Problem p;
   qbl::Options o;
@@ -632,7 +632,7 @@ TEST(LayerPlans, ASideStreamOfAnotherDeviceIsRefusedBeforeLaunching) {
 // Plans are immutable: one pair serves two host threads at once, each with its own stream,
 // workspace and qbl::SideStream -- wgrad forked to each thread's own side stream -- and each
 // thread's results, every repetition, equal the serial run of its inputs without a side stream
-// (wgrad after dgrad).
+// (wgrad serialized with dgrad).
 TEST(LayerPlans, TwoStreamsWithTheirOwnSideStreamsMatchSerialRuns) {
   QBL_REQUIRE_GPU();
   const std::uint64_t seed = qbl_test::fresh_seed();

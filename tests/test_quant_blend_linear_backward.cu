@@ -1,10 +1,10 @@
 // qbl::QuantBlendLinear<X, G, L>::backward against the independent reference of
 // tests/reference.hpp: identity weights (g_mixed == grad_out, so grad_x is checked bit for bit end
 // to end), general shapes in fp32, TF32, bf16, fp16 and fp32 -> bf16/fp16 (PyTorch's autocast)
-// with pointer offsets, requested subsets and accumulation, wgrad beside or after dgrad -- one
-// suite over every supported type triple and shape -- non-finite inputs, the layer's own argument
-// rules, CUDA graphs, and a randomized property test. (The plans' argument checks and their
-// streams are tested in test_layer_plans.cu.)
+// with pointer offsets, requested subsets and accumulation, wgrad beside or serialized with dgrad
+// -- one suite over every supported type triple and shape -- non-finite inputs, the layer's own
+// argument rules, CUDA graphs, and a randomized property test. (The plans' argument checks and
+// their streams are tested in test_layer_plans.cu.)
 //
 // How grad_x and grad_logits are checked for a general weight: g_mixed = RN(grad_out · W) is a
 // GEMM whose bits no CPU reference reproduces, so the test first reads the layer's own g_mixed
@@ -424,9 +424,9 @@ bool check_backward(const BwdCase& c, const BwdData& d, const BwdResult& r) {
 struct BwdShape {
   /// identity: in == out, identity weight (g_mixed == grad_out, grad_x bit-exact end to end),
   /// element offsets 0 and 1, zero and straight-through. general: in != out, offsets 0 and 1,
-  /// accumulation, bias, straight-through and wgrad beside or after dgrad varied from one case
-  /// to the next. single_feature: in_features == 1 (the wgrad GEMM's m = 1), every way of asking
-  /// for the weight and bias gradients, written and accumulated.
+  /// accumulation, bias, straight-through and wgrad beside or serialized with dgrad varied from one
+  /// case to the next. single_feature: in_features == 1 (the wgrad GEMM's m = 1), every way of
+  /// asking for the weight and bias gradients, written and accumulated.
   enum Kind { identity, general, single_feature } kind;
   std::int64_t tokens, in, out;
   int index = 0;  ///< general: the shape's place in the list, which picks its variants

@@ -117,8 +117,9 @@ if has train; then
   [ "$rc" -eq 0 ] || tail -n 30 "$LOGDIR/train.err"
 fi
 
-# The model step with wgrad after dgrad on the caller's stream (QBL_OVERLAP_WGRAD=0), timings only:
-# its qbl columns against the train stage's, each against the compiled reference of its own run.
+# The model step with wgrad serialized with dgrad on the caller's stream (QBL_OVERLAP_WGRAD=0),
+# timings only: its qbl columns against the train stage's, each against the compiled reference
+# of its own run.
 if has train_serial; then
   t=$(date +%s)
   QBL_OVERLAP_WGRAD=0 timeout "${TRAIN_S:-900}" "$PYTHON" examples/pytorch/train_qat.py --plot '' \

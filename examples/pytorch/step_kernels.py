@@ -1,8 +1,8 @@
 """Every kernel of a training step of train_qat.py's model, per variant: the GPU time per step of
 each kernel (torch.profiler, 5 steps), the GPU's active time, and the step's time from interleaved
 rounds timed before the profile (each round one untimed step, then 10 steps between two CUDA
-events; medians). A variant is "<variant> <mode> <overlap>", overlap being 0 (qbl's wgrad after
-dgrad), by_shape (beside it, the plan's choice) or - (as the environment says).
+events; medians). A variant is "<variant> <mode> <overlap>", overlap being 0 (qbl's wgrad
+serialized with dgrad), by_shape (beside it, the plan's choice) or - (as the environment says).
 
     python3 examples/pytorch/step_kernels.py --json step_kernels.json
     python3 examples/pytorch/step_kernels.py --precision autocast --runs "reference compile -,qbl compile by_shape" --json k.json

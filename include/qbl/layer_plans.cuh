@@ -36,7 +36,7 @@
 //   qbl::BackwardArgs<float> b;  b.grad_out = d_g;  b.x = d_x;  b.logits = d_l;  b.weight = d_w;
 //   b.mixed = d_mixed;  b.stats = d_stats;  b.tokens = tokens;
 //   b.grad_x = d_gx;  b.grad_logits = d_gl;  b.grad_weight = d_gw;  b.grad_bias = d_gb;
-//   bwd.run(b, ws, &side, stream);                     // or nullptr: wgrad after dgrad
+//   bwd.run(b, ws, &side, stream);                     // or nullptr: all on stream
 #pragma once
 
 #include <qbl/detail/config.cuh>  // first: it stops a non-CUDA compile with one clear error
@@ -282,8 +282,9 @@ class BackwardPlan {
 
   /// The backward on `stream`. When both GEMMs run, overlaps(tokens) and `side` is given, wgrad
   /// (and the bias gradient) run on side->stream(), forked from `stream` and joined back into it
-  /// (no host synchronization; a graph capture of `stream` takes it in); otherwise after dgrad
-  /// on `stream`, with the same bits. Either way all of run()'s work is ordered before what is
+  /// (no host synchronization; a graph capture of `stream` takes it in); otherwise on `stream`,
+  /// ahead of dgrad (after the element kernel where that kernel recomputes mixed), with the same
+  /// bits. Either way all of run()'s work is ordered before what is
   /// enqueued on `stream` after it. tokens == 0, or no output wanted, does nothing.
   /// \throws as ForwardPlan::run; qbl::invalid_argument for a side stream of another device.
   void run(const Arguments& args, void* workspace, SideStream* side,

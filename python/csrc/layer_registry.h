@@ -97,7 +97,7 @@ struct Layer {
 Layer& cached_layer(const LayerKey& key, std::int64_t tokens, bool backward, cudaStream_t stream);
 
 /// The side stream of calling stream `stream` on the current device `device`, made on first use;
-/// nullptr (run wgrad after dgrad, the same bits) where none exists yet and `stream` is being
+/// nullptr (run wgrad on `stream` too, the same bits) where none exists yet and `stream` is being
 /// captured into a CUDA graph, as no CUDA object is made during capture. Two calling streams never
 /// share one. Valid until clear_cache().
 qbl::SideStream* side_stream(int device, cudaStream_t stream);
