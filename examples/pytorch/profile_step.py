@@ -164,7 +164,7 @@ def main() -> int:
     ap.add_argument("--round-steps", type=int, default=6)
     args = ap.parse_args()
     out = sys.stdout
-    ns = argparse.Namespace(vocab=4096, blocks=4, batch=8, seq=1024, seed=0, lr=args.lr)
+    ns = train_qat.model_args(args.lr)
     batches, _ = train_qat.make_batches(8, ns)
     if not args.no_layer:
         layer_host_times(args.d, ns.batch * ns.seq, out, args.layer_rows)

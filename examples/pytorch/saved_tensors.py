@@ -14,7 +14,7 @@ ap.add_argument("--d", type=int, default=2048)
 ap.add_argument("--precision", default="autocast,bf16")
 ap.add_argument("--variants", default="reference compile,qbl eager,qbl_recompute eager,qbl_recompute compile")
 args = ap.parse_args()
-ns = argparse.Namespace(vocab=4096, blocks=4, batch=8, seq=1024, seed=0, lr=None)
+ns = train_qat.model_args()
 batches, _ = train_qat.make_batches(4, ns)
 
 for precision in args.precision.split(","):

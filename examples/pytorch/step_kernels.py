@@ -20,7 +20,7 @@ ap.add_argument("--runs", default="reference compile -,qbl compile 0,qbl compile
 ap.add_argument("--rounds", type=int, default=8)
 ap.add_argument("--json", required=True)
 args = ap.parse_args()
-ns = argparse.Namespace(vocab=4096, blocks=4, batch=8, seq=1024, seed=0, lr=None)
+ns = train_qat.model_args()
 batches, _ = train_qat.make_batches(8, ns)
 out = {}
 for precision in args.precision.split(","):

@@ -465,7 +465,7 @@ def parse_list(text: str, allowed: Optional[Tuple[str, ...]], what: str, ap) -> 
     return items
 
 
-def parse_args():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", default="1024", help="model widths D, comma-separated")
     ap.add_argument("--blocks", type=int, default=4)
@@ -492,6 +492,20 @@ def parse_args():
     ap.add_argument("--curve-compiled", action="store_true",
                     help="also loss curves of the compiled models")
     ap.add_argument("--json", metavar="PATH", help="write every number here")
+    return ap
+
+
+def model_args(lr=None) -> argparse.Namespace:
+    """The model and data at this script's defaults (blocks, batch, seq, vocab, seed) and AdamW's
+    learning rate `lr` (None: the default for the width): what make_batches and Models read, for
+    the scripts that profile this model."""
+    d = parser().parse_args([])
+    return argparse.Namespace(vocab=d.vocab, blocks=d.blocks, batch=d.batch, seq=d.seq,
+                              seed=d.seed, lr=lr)
+
+
+def parse_args():
+    ap = parser()
     args = ap.parse_args()
     try:
         args.d = [int(v) for v in parse_list(args.d, None, "--d", ap)]
