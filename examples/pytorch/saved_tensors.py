@@ -4,18 +4,15 @@ are allocated anyway). What sets a step's peak memory, besides what the backward
 
     python3 examples/pytorch/saved_tensors.py --precision autocast
 """
-import argparse, collections, os, sys, traceback
+import collections, os, sys, traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import qbl, train_qat
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--d", type=int, default=2048)
-ap.add_argument("--precision", default="autocast,bf16")
-ap.add_argument("--variants", default="reference compile,qbl eager,qbl_recompute eager,qbl_recompute compile")
-args = ap.parse_args()
-ns = train_qat.model_args()
-batches, _ = train_qat.make_batches(4, ns)
+args, ns, batches = train_qat.profiling_args(
+    __doc__, "autocast,bf16", 4,
+    variants=dict(default="reference compile,qbl eager,qbl_recompute eager,"
+                          "qbl_recompute compile"))
 
 for precision in args.precision.split(","):
     models = train_qat.Models(ns, args.d, precision)

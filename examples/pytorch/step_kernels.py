@@ -7,21 +7,16 @@ serialized with dgrad), by_shape (beside it, the plan's choice) or - (as the env
     python3 examples/pytorch/step_kernels.py --json step_kernels.json
     python3 examples/pytorch/step_kernels.py --precision autocast --runs "reference compile -,qbl compile by_shape" --json k.json
 """
-import argparse, json, os, sys, statistics
+import json, os, sys, statistics
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from torch.profiler import ProfilerActivity, profile
 import qbl, train_qat, profile_step as ps
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--d", type=int, default=2048)
-ap.add_argument("--precision", default="bf16")
-ap.add_argument("--runs", default="reference compile -,qbl compile 0,qbl compile by_shape,qbl eager 0")
-ap.add_argument("--rounds", type=int, default=8)
-ap.add_argument("--json", required=True)
-args = ap.parse_args()
-ns = train_qat.model_args()
-batches, _ = train_qat.make_batches(8, ns)
+args, ns, batches = train_qat.profiling_args(
+    __doc__, "bf16", 8,
+    runs=dict(default="reference compile -,qbl compile 0,qbl compile by_shape,qbl eager 0"),
+    rounds=dict(type=int, default=8), json=dict(required=True))
 out = {}
 for precision in args.precision.split(","):
     models = train_qat.Models(ns, args.d, precision)

@@ -4,19 +4,16 @@ blocks grouped by the code that allocated them.
 
     python3 examples/pytorch/step_peak.py --precision autocast --variants "reference compile,qbl eager"
 """
-import argparse, collections, os, sys
+import collections, os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import qbl, train_qat
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--d", type=int, default=2048)
-ap.add_argument("--precision", default="autocast,bf16")
-ap.add_argument("--variants", default="reference compile,qbl eager,qbl_recompute eager,qbl compile,qbl_recompute compile")
-ap.add_argument("--top", type=int, default=25)
-args = ap.parse_args()
-ns = train_qat.model_args()
-batches, _ = train_qat.make_batches(4, ns)
+args, ns, batches = train_qat.profiling_args(
+    __doc__, "autocast,bf16", 4,
+    variants=dict(default="reference compile,qbl eager,qbl_recompute eager,qbl compile,"
+                          "qbl_recompute compile"),
+    top=dict(type=int, default=25))
 SKIP = ("torch/", "contextlib", "<frozen", "threading")
 
 def where(frames):

@@ -504,6 +504,21 @@ def model_args(lr=None) -> argparse.Namespace:
                               seed=d.seed, lr=lr)
 
 
+def profiling_args(doc: str, precision: str, batches: int, **arguments):
+    """The command line of the scripts that profile this model at one width (described by their
+    `doc`): --d (2048), --precision (default `precision`) and one option per keyword (--name,
+    given add_argument's keywords). Returns the parsed arguments, model_args() and `batches`
+    batches of make_batches."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--d", type=int, default=2048, help="model width D")
+    ap.add_argument("--precision", default=precision, help="comma-separated, of bf16, autocast")
+    for name, keywords in arguments.items():
+        ap.add_argument("--" + name, **keywords)
+    args = ap.parse_args()
+    ns = model_args()
+    return args, ns, make_batches(batches, ns)[0]
+
+
 def parse_args():
     ap = parser()
     args = ap.parse_args()
