@@ -50,7 +50,7 @@ if [ -n "$save_dir" ] && { [ $mode != gpu ] || [ -z "${GPU_TESTS:-}" ]; }; then
   echo "--save-binaries needs --gpu and GPU_TESTS (the binaries to save)" >&2; exit 2
 fi
 JOBS=${JOBS:-$(nproc)}
-CPU_TESTS=${CPU_TESTS:-"test_element_math test_quant_blend_math test_quant_blend_backward test_quant_blend_linear_properties test_quant_blend_linear_backward"}
+CPU_TESTS=${CPU_TESTS:-"test_element_math test_quant_blend_math test_quant_blend_backward test_quant_blend_linear_properties test_quant_blend_linear_backward test_activation"}
 
 # ---- the mutants --------------------------------------------------------------------------
 # name | where the code runs (host: also on the CPU, so CPU tests can catch it; device: only in
@@ -70,6 +70,10 @@ mutants=(
   "grad_logits_plain_sums|device|the backward's row sums are plain fp32 sums (no compensation)"
   "column_sum_half_rows|device|the bias gradient's column sum skips every other group of rows"
   "prologue_one_partial|device|the prologue's amax is the first amax block's maximum only"
+  "relu_keeps_negative_zero|host|ReLU passes -0.0 through instead of giving +0.0 as eager's clamp_min"
+  "gelu_pdf_grows|host|GELU's backward takes exp(+h^2 / 2) for the normal density"
+  "gelu_tanh_backward_kappa|host|tanh-GELU's backward takes kappa for 3 * kappa in the inner derivative"
+  "silu_backward_s|host|SiLU's backward takes 1 + h * s for 1 + h * (1 - s)"
 )
 
 em=include/qbl/element_math.cuh
@@ -123,7 +127,21 @@ m_prologue_one_partial() {
   subst include/qbl/detail/quant_blend.inl 'i < src.count; i += THREADS)' 'i < 1; i += THREADS)'
 }
 
-table() { awk -F'|' '{ printf "%-20s %-6s %s\n", $1, $2, $3; if (NF > 3) printf "%28s%s\n", "", $4 }'; }
+ac=include/qbl/activation.cuh
+m_relu_keeps_negative_zero() {
+  subst $ac 'return h != h ? h : (h > 0.0f ? h : 0.0f);' 'return h != h ? h : (h >= 0.0f ? h : 0.0f);'
+}
+m_gelu_pdf_grows() {
+  subst $ac 'expf(mul_rn(mul_rn(-0.5f, h), h))' 'expf(mul_rn(mul_rn(0.5f, h), h))'
+}
+m_gelu_tanh_backward_kappa() {
+  subst $ac 'fma_rn(three_kappa, sq, 1.0f)' 'fma_rn(kappa, sq, 1.0f)'
+}
+m_silu_backward_s() {
+  subst $ac 'd\[1\] = fma_rn(h, sub_rn(1.0f, s), 1.0f);' 'd[1] = fma_rn(h, s, 1.0f);'
+}
+
+table() { awk -F'|' '{ printf "%-25s %-6s %s\n", $1, $2, $3; if (NF > 3) printf "%33s%s\n", "", $4 }'; }
 if [ $list_only = 1 ]; then printf '%s\n' "${mutants[@]}" | table; exit 0; fi
 
 # Runs the tests (the binaries in BIN, default the build's); returns non-zero when some test failed.
