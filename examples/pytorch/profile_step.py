@@ -156,8 +156,9 @@ def main() -> int:
                     help="also list this many of one layer call's host events (profiled)")
     ap.add_argument("--overlap", default="env", choices=("env", "by_shape", "off", "both"),
                     help="qbl's wgrad as the environment's QBL_OVERLAP_WGRAD says (default), "
-                         "beside dgrad as its plan decides (QBL_OVERLAP_WGRAD unset), after it "
-                         "(QBL_OVERLAP_WGRAD=0), or each of the last two in turn")
+                         "beside dgrad as its plan decides (QBL_OVERLAP_WGRAD unset), serialized "
+                         "with it on the caller's stream (QBL_OVERLAP_WGRAD=0), or each of the last "
+                         "two in turn")
     ap.add_argument("--timed-rounds", type=int, default=0,
                     help="first time every variant without the profiler, in this many rounds "
                          "of --round-steps steps, the variants taking turns")

@@ -71,8 +71,8 @@ class QuantBlendLinear {
   /// Plans the forward (and with Options::backward the backward) for up to `max_tokens` tokens
   /// on the current device, which every later call must also run on, and allocates the
   /// workspace, `mixed` and `stats`. Planning needs scratch memory for a while, freed before the
-  /// constructor returns: each GEMM's operands at up to max_tokens / 2 + 1 tokens (at
-  /// max_tokens with Options::autotune), one GEMM at a time.
+  /// constructor returns: each GEMM's operands at one token more than the largest power of
+  /// two below max_tokens (at max_tokens with Options::autotune), one GEMM at a time.
   /// \throws qbl::invalid_argument for non-positive sizes, qbl::out_of_memory if the workspace
   ///         cannot be allocated, qbl::cublas_error if cuBLASLt cannot serve the shape.
   QuantBlendLinear(std::int64_t in_features, std::int64_t out_features, std::int64_t max_tokens,

@@ -13,8 +13,8 @@ computes, bit for bit as PyTorch eager up to the GEMM,
     mixed = alpha * clamp(round(x / scale), -127, 127) * scale + (1 - alpha) * x
     out   = mixed @ weight.T + bias
 
-The operators are torch.ops.qbl.forward and torch.ops.qbl.backward (registered in C++, with fake
-implementations and autograd registered here), so torch.compile(fullgraph=True) traces through
+The operators are torch.ops.qbl.forward and torch.ops.qbl.backward (registered in C++ with their
+autograd formula and autocast behaviour; their fake implementations are registered here), so torch.compile(fullgraph=True) traces through
 them and CUDA graphs capture them.
 """
 
