@@ -284,8 +284,8 @@ class BackwardPlan {
   /// (and the bias gradient) run on side->stream(), forked from `stream` and joined back into it
   /// (no host synchronization; a graph capture of `stream` takes it in); otherwise on `stream`,
   /// ahead of dgrad (after the element kernel where that kernel recomputes mixed), with the same
-  /// bits. Either way all of run()'s work is ordered before what is
-  /// enqueued on `stream` after it. tokens == 0, or no output wanted, does nothing.
+  /// bits. Either way all of run()'s work is ordered before what is enqueued on `stream` after
+  /// it. tokens == 0, or no output wanted, does nothing.
   /// \throws as ForwardPlan::run; qbl::invalid_argument for a side stream of another device.
   void run(const Arguments& args, void* workspace, SideStream* side,
            cudaStream_t stream = nullptr) const;

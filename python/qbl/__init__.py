@@ -14,8 +14,8 @@ computes, bit for bit as PyTorch eager up to the GEMM,
     out   = mixed @ weight.T + bias
 
 The operators are torch.ops.qbl.forward and torch.ops.qbl.backward (registered in C++ with their
-autograd formula and autocast behaviour; their fake implementations are registered here), so torch.compile(fullgraph=True) traces through
-them and CUDA graphs capture them.
+autograd formula and autocast behaviour; their fake implementations are registered here), so
+torch.compile(fullgraph=True) traces through them and CUDA graphs capture them.
 """
 
 import torch  # noqa: F401  (first: loads the libraries qbl._C links against)
