@@ -18,6 +18,14 @@ Tensor workspace(std::size_t bytes, const Tensor& like) {
   return at::empty({static_cast<std::int64_t>(bytes)}, like.options().dtype(at::kByte));
 }
 
+/// A GEMM operand of dtype `g`, contiguous: `t` itself where it has that dtype, else its cast
+/// (round to nearest even: autocast's cast of a float32 parameter), which lives for the call.
+Tensor gemm_operand(const Tensor& t, ScalarType g) {
+  return t.scalar_type() == g
+             ? t.contiguous()
+             : t.to(g, /*non_blocking=*/false, /*copy=*/false, c10::MemoryFormat::Contiguous);
+}
+
 // The forward, from x's own amax or (stats given) from stats[0]; with an activation, of act(x).
 std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& x_in, const Tensor& logits_in,
                                                 const Tensor& weight_in,
@@ -45,9 +53,9 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& x_in, const Tensor
 
   const c10::cuda::CUDAGuard guard(x_in.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  const Tensor x = x_in.contiguous(), logits = logits_in.contiguous(),
-               weight = weight_in.contiguous();
-  const Tensor bias = has_bias ? bias_in->contiguous() : Tensor();
+  const Tensor x = x_in.contiguous(), logits = logits_in.contiguous();
+  const Tensor weight = gemm_operand(weight_in, dtypes.gemm);
+  const Tensor bias = has_bias ? gemm_operand(*bias_in, dtypes.gemm) : Tensor();
   const LayerKey key{x.get_device(), dtypes,         act,
                      p.in_features,  p.out_features, allow_tf32 && dtypes.gemm == at::kFloat};
   // A forward recording autograd will be followed by a backward: plan both now, at one wait.
@@ -96,18 +104,22 @@ Tensor local_amax_cuda(const Tensor& x_in, c10::string_view activation) {
 std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
     const Tensor& grad_out_in, const Tensor& x_in, const Tensor& logits_in, const Tensor& weight_in,
     const std::optional<Tensor>& mixed_in, const Tensor& stats, bool has_bias,
-    std::array<bool, 4> mask, c10::string_view activation, bool straight_through, bool allow_tf32) {
+    std::array<bool, 4> mask, c10::string_view activation, bool straight_through, bool allow_tf32,
+    std::optional<ScalarType> gemm_dtype) {
   constexpr const char* op = "qbl.backward";
   const qbl::Activation act = parse_activation(op, activation);
   const Problem p = check_problem(op, x_in, logits_in, weight_in);
-  const Dtypes dtypes{x_in.scalar_type(), weight_in.scalar_type(), logits_in.scalar_type()};
+  const ScalarType w_dtype = weight_in.scalar_type();
+  const Dtypes dtypes{x_in.scalar_type(), gemm_dtype.value_or(w_dtype), logits_in.scalar_type()};
+  if (gemm_dtype.has_value()) check_parameter_dtypes(op, weight_in, std::nullopt, dtypes.gemm);
   check_supported(op, dtypes);
   check_dense(op, grad_out_in, "grad_out", x_in);
-  check_dtype(op, grad_out_in, "grad_out", dtypes.gemm, "weight");
+  const char* gemm_name = gemm_dtype.has_value() ? "gemm_dtype" : "weight";
+  check_dtype(op, grad_out_in, "grad_out", dtypes.gemm, gemm_name);
   const bool kept = given(mixed_in);
   if (kept) {
     check_dense(op, *mixed_in, "mixed", x_in);
-    check_dtype(op, *mixed_in, "mixed", dtypes.gemm, "weight");
+    check_dtype(op, *mixed_in, "mixed", dtypes.gemm, gemm_name);
     TORCH_CHECK(mixed_in->sizes() == x_in.sizes(), op, ": mixed must have x's shape ",
                 shape_str(x_in.sizes()), " or be None (recomputed), got ",
                 shape_str(mixed_in->sizes()));
@@ -120,11 +132,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
   const bool want_bias = mask[3] && has_bias;
   const auto x_opts = x_in.options();
   const auto g_opts = x_opts.dtype(dtypes.gemm), l_opts = x_opts.dtype(dtypes.logits);
+  const auto w_opts = x_opts.dtype(w_dtype);
   auto none = [&](const at::TensorOptions& o) { return at::empty({0}, o); };
-  // With no token the parameter gradients are sums of nothing: zeros.
+  // The parameter gradients come back in the weight's dtype; the GEMM and the column sum write
+  // them in the GEMM's, cast at the end where the two differ. With no token they are sums of
+  // nothing: zeros.
   auto param = [&](bool want, c10::IntArrayRef sizes) {
-    if (!want) return none(g_opts);
-    return p.tokens == 0 ? at::zeros(sizes, g_opts) : at::empty(sizes, g_opts);
+    if (!want) return none(w_opts);
+    return p.tokens == 0 ? at::zeros(sizes, w_opts) : at::empty(sizes, g_opts);
   };
   Tensor gx = mask[0] ? at::empty(x_in.sizes(), x_opts) : none(x_opts);
   Tensor gl = mask[1] ? at::empty(logits_in.sizes(), l_opts) : none(l_opts);
@@ -144,7 +159,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
   const Tensor grad_out = grad_out_in.contiguous();
   const Tensor x = need_x ? x_in.contiguous() : Tensor();
   const Tensor logits = dgrad || recompute ? logits_in.contiguous() : Tensor();
-  const Tensor weight = dgrad ? weight_in.contiguous() : Tensor();
+  const Tensor weight = dgrad ? gemm_operand(weight_in, dtypes.gemm) : Tensor();
   const Tensor mixed = mask[2] && kept ? mixed_in->contiguous() : Tensor();
   const int device = x_in.get_device();
   const LayerKey key{device,        dtypes,         act,
@@ -169,6 +184,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
       dgrad && wgrad && layer.plans->overlaps(p.tokens) ? side_stream(device, stream) : nullptr;
   const Tensor ws = workspace(layer.plans->backward_workspace_bytes(c), grad_out);
   translate([&] { layer.plans->backward(c, ws.mutable_data_ptr(), side, stream); });
+  if (w_dtype != dtypes.gemm) {
+    if (mask[2]) gw = gw.to(w_dtype);
+    if (want_bias) gb = gb.to(w_dtype);
+  }
   return {gx, gl, gw, gb};
 }
 

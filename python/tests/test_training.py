@@ -6,6 +6,8 @@ against eager's.
 The autocast reference is the reference module's arithmetic run by eager under autocast
 (helpers.eager_forward inside torch.autocast): F.linear casts mixed, weight and bias to the
 autocast dtype (weight and bias through autocast's cast cache), and autograd records the casts.
+qbl casts float32 parameters inside its operators instead, and keeps the float32 weight for the
+backward: the same values and gradients, without a cast copy of the weight between the two.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def test_autocast_forward_is_eagers(x_dtype, l_dtype, ac):
         pytest.skip("bf16 inputs under fp16 autocast: not a combination autocast produces")
     x, l, w, b = H.make_inputs((4, 33), 64, 48, torch.float32, seed=200)
     x, l = x.to(x_dtype), l.to(l_dtype)
-    w, b = w.requires_grad_(), b.requires_grad_()  # fp32 parameters: the cast cache applies
+    w, b = w.requires_grad_(), b.requires_grad_()  # fp32 parameters, as a model's
     with _autocast(ac):
         out, mixed, stats = torch.ops.qbl.forward(x, l, w, b)
         e = H.eager_forward(x, l, w, b)
@@ -120,6 +122,75 @@ def test_mixed_dtypes_outside_autocast_raise():
         qbl.quant_blend_linear(x, l.bfloat16(), w, b)
     with pytest.raises(TypeError, match="weight has dtype BFloat16"):
         qbl.quant_blend_linear(x, l, w.bfloat16(), b)
+
+
+@pytest.mark.parametrize("keep_mixed", [True, False], ids=["keep_mixed", "recompute"])
+def test_autocast_keeps_the_float32_weight_not_a_cast_copy(keep_mixed):
+    """Under autocast with float32 parameters, autograd keeps the weight parameter itself for the
+    backward (the operator casts it to the autocast dtype in the forward and again in the
+    backward) rather than a copy in the autocast dtype: the saved tensors include the weight's own
+    storage, and none has the weight's shape in the autocast dtype -- what eager's F.linear
+    keeps."""
+    x, l, w, b = H.make_inputs((4, 33), 64, 48, torch.float32, seed=206)
+    x, w, b = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    runs = {}
+    for name, fn in (("qbl", lambda: qbl.quant_blend_linear(x, l.to(AC), w, b,
+                                                            keep_mixed=keep_mixed)),
+                     ("eager", lambda: H.eager_forward(x, l.to(AC), w, b).out)):
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast():
+            fn()
+        runs[name] = saved
+    copies = [tuple(t.shape) for t in runs["eager"] if t.shape == w.shape and t.dtype == AC]
+    assert copies, "eager's F.linear under autocast keeps the weight's cast (the test's premise)"
+    q = runs["qbl"]
+    assert any(t.dtype == torch.float32 and t.data_ptr() == w.data_ptr() for t in q), (
+        f"qbl keeps {[(tuple(t.shape), t.dtype) for t in q]}: not the float32 weight")
+    assert not any(t.shape == w.shape and t.dtype == AC for t in q), (
+        f"qbl keeps a {AC} copy of the weight: {[(tuple(t.shape), t.dtype) for t in q]}")
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["mixed", "mixed_none"])
+def test_backward_casts_a_float32_weight_to_gemm_dtype(kept):
+    """qbl.backward with gemm_dtype and a float32 weight computes with the weight cast to the
+    GEMM's dtype and returns grad_weight and grad_bias in float32: bit for bit the same call with
+    the cast weight, its parameter gradients cast to float32 (as autograd casts them through a
+    cast); qbl.forward likewise gives the bits of the call with the cast parameters."""
+    x, l, w, b = H.make_inputs((3, 41), 64, 48, torch.float32, seed=207)
+    l = l.to(AC)
+    out, mixed, stats = torch.ops.qbl.forward(x, l, w, b, gemm_dtype=AC)
+    out2, mixed2, stats2 = torch.ops.qbl.forward(x, l, w.to(AC), b.to(AC), gemm_dtype=AC)
+    for name, a, e in (("out", out, out2), ("mixed", mixed, mixed2), ("stats", stats, stats2)):
+        H.assert_bits_equal(a, e, f"forward's {name}, float32 parameters vs cast ones")
+    g = H.make_grad_out((3, 41, 48), AC, seed=208)
+    m = mixed if kept else None
+    got = torch.ops.qbl.backward(g, x, l, w, m, stats, True, [True] * 4, gemm_dtype=AC)
+    want = torch.ops.qbl.backward(g, x, l, w.to(AC), m, stats, True, [True] * 4, gemm_dtype=AC)
+    assert [t.dtype for t in got] == [torch.float32, AC, torch.float32, torch.float32], (
+        f"gradient dtypes {[t.dtype for t in got]}")
+    for name, a, e in zip(("grad_x", "grad_logits", "grad_weight", "grad_bias"), got, want):
+        H.assert_bits_equal(a, e.to(a.dtype), f"{name}, float32 weight vs cast weight")
+
+
+def test_gemm_dtype_takes_parameters_of_it_or_float32():
+    """With gemm_dtype, weight is of that dtype or float32 and bias of weight's: anything else is
+    a TypeError naming the dtypes, raised before anything runs."""
+    x, l, w, b = H.make_inputs((3, 4), 32, 16, torch.float32, seed=209)
+    with pytest.raises(TypeError, match="weight has dtype Half but gemm_dtype is BFloat16"):
+        torch.ops.qbl.forward(x, l, w.half(), b.half(), gemm_dtype=AC)
+    with pytest.raises(TypeError, match="bias has dtype BFloat16 but weight is Float"):
+        torch.ops.qbl.forward(x, l, w, b.to(AC), gemm_dtype=AC)
+    out, mixed, stats = torch.ops.qbl.forward(x, l, w, b, gemm_dtype=AC)
+    g = torch.ones_like(out)
+    with pytest.raises(TypeError, match="weight has dtype Half but gemm_dtype is BFloat16"):
+        torch.ops.qbl.backward(g, x, l, w.half(), mixed, stats, True, [True] * 4, gemm_dtype=AC)
+    with pytest.raises(TypeError, match="grad_out has dtype Float but gemm_dtype is BFloat16"):
+        torch.ops.qbl.backward(g.float(), x, l, w, mixed, stats, True, [True] * 4, gemm_dtype=AC)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
