@@ -26,6 +26,37 @@ Tensor gemm_operand(const Tensor& t, ScalarType g) {
              : t.to(g, /*non_blocking=*/false, /*copy=*/false, c10::MemoryFormat::Contiguous);
 }
 
+/// The backward of call `c` (both GEMMs wanted, wgrad beside dgrad) whose weight is `weight_in`
+/// cast to `gemm`: wgrad's half of the call on `side` (forked from `stream`), then the cast and
+/// dgrad's half on `stream`, then `stream` joins `side` -- on every way out, a throw included.
+/// The same kernels on the same streams as the plan's one call, so the same bits; the cast, a
+/// pass over the weight, runs beside wgrad instead of delaying it.
+void backward_beside_cast(const Layer& layer, BackwardCall c, const Tensor& weight_in,
+                          ScalarType gemm, const Tensor& like, qbl::SideStream& side,
+                          cudaStream_t stream) {
+  BackwardCall w = c;  // grad_weight and grad_bias (and a recomputed mixed, where one is)
+  w.grad_x = nullptr, w.grad_logits = nullptr, w.weight = nullptr;
+  c.grad_weight = nullptr, c.grad_bias = nullptr, c.mixed = nullptr;
+  const Tensor ws_w = workspace(layer.plans->backward_workspace_bytes(w), like);
+  C10_CUDA_CHECK(side.fork(stream));
+  struct Join {
+    qbl::SideStream* side;
+    cudaStream_t main;
+    cudaError_t join() noexcept {
+      qbl::SideStream* s = side;
+      side = nullptr;
+      return s != nullptr ? s->join(main) : cudaSuccess;
+    }
+    ~Join() { join(); }
+  } join{&side, stream};
+  translate([&] { layer.plans->backward(w, ws_w.mutable_data_ptr(), nullptr, side.stream()); });
+  const Tensor weight = gemm_operand(weight_in, gemm);
+  c.weight = weight.const_data_ptr();
+  const Tensor ws = workspace(layer.plans->backward_workspace_bytes(c), like);
+  translate([&] { layer.plans->backward(c, ws.mutable_data_ptr(), nullptr, stream); });
+  C10_CUDA_CHECK(join.join());
+}
+
 // The forward, from x's own amax or (stats given) from stats[0]; with an activation, of act(x).
 std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& x_in, const Tensor& logits_in,
                                                 const Tensor& weight_in,
@@ -159,7 +190,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
   const Tensor grad_out = grad_out_in.contiguous();
   const Tensor x = need_x ? x_in.contiguous() : Tensor();
   const Tensor logits = dgrad || recompute ? logits_in.contiguous() : Tensor();
-  const Tensor weight = dgrad ? gemm_operand(weight_in, dtypes.gemm) : Tensor();
+  // A float32 weight with a 16-bit GEMM (autocast's parameter) is cast for dgrad below.
+  const bool cast_weight = dgrad && w_dtype != dtypes.gemm;
+  Tensor weight = dgrad && !cast_weight ? weight_in.contiguous() : Tensor();
   const Tensor mixed = mask[2] && kept ? mixed_in->contiguous() : Tensor();
   const int device = x_in.get_device();
   const LayerKey key{device,        dtypes,         act,
@@ -182,8 +215,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
   // recomputed mixed, the side stream recomputes it first).
   qbl::SideStream* side =
       dgrad && wgrad && layer.plans->overlaps(p.tokens) ? side_stream(device, stream) : nullptr;
-  const Tensor ws = workspace(layer.plans->backward_workspace_bytes(c), grad_out);
-  translate([&] { layer.plans->backward(c, ws.mutable_data_ptr(), side, stream); });
+  if (cast_weight && side != nullptr) {
+    // The weight's cast beside wgrad rather than ahead of both: the plan's two halves as its one
+    // call would run them -- wgrad (after a recompute of mixed, with grad_bias) on the side
+    // stream, dgrad and the element kernel on this one -- with the cast on this stream between.
+    backward_beside_cast(layer, c, weight_in, dtypes.gemm, grad_out, *side, stream);
+  } else {
+    if (cast_weight) {
+      weight = gemm_operand(weight_in, dtypes.gemm);
+      c.weight = weight.const_data_ptr();
+    }
+    const Tensor ws = workspace(layer.plans->backward_workspace_bytes(c), grad_out);
+    translate([&] { layer.plans->backward(c, ws.mutable_data_ptr(), side, stream); });
+  }
   if (w_dtype != dtypes.gemm) {
     if (mask[2]) gw = gw.to(w_dtype);
     if (want_bias) gb = gb.to(w_dtype);
