@@ -9,8 +9,10 @@
 // bit for bit), and weight and bias are cast to A as F.linear casts them: float32 parameters
 // inside the operator (forward and again in the backward, so that autograd keeps the parameter,
 // not a copy of it in A, between the two), any other dtype here. Their gradients come back in
-// their own dtype, the casts of the gradients in A, as eager's autograd gives them. Any other
-// combination runs the reference's own ops, so that it too is what eager computes.
+// their own dtype, the casts of the gradients in A, as eager's autograd gives them (a weight
+// used by several calls in one region has their gradients summed in float32 here, in A by eager,
+// which casts it once through its cache). Any other combination runs the reference's own ops, so
+// that it too is what eager computes.
 // (torch.library.register_autocast would cast every input to A: not eager's semantics here.)
 
 #include "qbl_torch.h"

@@ -125,8 +125,9 @@ def cache_info() -> list[dict]:
     """One dict per cached layer: device; x_dtype, gemm_dtype and logits_dtype (torch dtypes);
     activation (None or its name); in/out features; tf32; backward (its backward plan is made);
     max_tokens (its token capacity); forward_workspace_bytes and backward_workspace_bytes (the
-    most one call takes from torch's caching allocator, at max_tokens, for as long as it
-    runs)."""
+    most one call takes from torch's caching allocator, at max_tokens, for as long as it runs;
+    with a float32 weight under autocast a call also holds the weight's cast, and a backward with
+    wgrad beside dgrad the two halves' workspaces, about as much again)."""
     numbers, names = torch.ops.qbl.cache_info()
     keys = ("device", "in_features", "out_features", "tf32", "backward", "max_tokens",
             "forward_workspace_bytes", "backward_workspace_bytes")

@@ -146,35 +146,59 @@ def test_autocast_keeps_the_float32_weight_not_a_cast_copy(keep_mixed):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast():
             fn()
         runs[name] = saved
-    copies = [tuple(t.shape) for t in runs["eager"] if t.shape == w.shape and t.dtype == AC]
-    assert copies, "eager's F.linear under autocast keeps the weight's cast (the test's premise)"
+    # A copy of the weight, or of its transpose (addmm keeps weight.t()): its size in AC. No other
+    # tensor here has as many elements (48 x 64: x and mixed have 4 x 33 x 64).
+    def copies(saved):
+        return [tuple(t.shape) for t in saved if t.dtype == AC and t.numel() == w.numel()]
+
+    assert copies(runs["eager"]), (
+        "eager's F.linear under autocast keeps the weight's cast (the test's premise): "
+        f"{[(tuple(t.shape), t.dtype) for t in runs['eager']]}")
     q = runs["qbl"]
     assert any(t.dtype == torch.float32 and t.data_ptr() == w.data_ptr() for t in q), (
         f"qbl keeps {[(tuple(t.shape), t.dtype) for t in q]}: not the float32 weight")
-    assert not any(t.shape == w.shape and t.dtype == AC for t in q), (
+    assert not copies(q), (
         f"qbl keeps a {AC} copy of the weight: {[(tuple(t.shape), t.dtype) for t in q]}")
 
 
+@pytest.mark.parametrize("overlap", ["1", "0"], ids=["wgrad_beside_dgrad", "wgrad_after"])
+@pytest.mark.parametrize("mask,has_bias", [
+    ([True, True, True, True], True), ([True, False, True, True], True),
+    ([False, True, False, True], True), ([True, True, True, False], False)],
+    ids=["all", "x_weight_bias", "logits_bias", "nobias"])
 @pytest.mark.parametrize("kept", [True, False], ids=["mixed", "mixed_none"])
-def test_backward_casts_a_float32_weight_to_gemm_dtype(kept):
+def test_backward_casts_a_float32_weight_to_gemm_dtype(kept, mask, has_bias, overlap,
+                                                       monkeypatch):
     """qbl.backward with gemm_dtype and a float32 weight computes with the weight cast to the
     GEMM's dtype and returns grad_weight and grad_bias in float32: bit for bit the same call with
     the cast weight, its parameter gradients cast to float32 (as autograd casts them through a
-    cast); qbl.forward likewise gives the bits of the call with the cast parameters."""
-    x, l, w, b = H.make_inputs((3, 41), 64, 48, torch.float32, seed=207)
-    l = l.to(AC)
-    out, mixed, stats = torch.ops.qbl.forward(x, l, w, b, gemm_dtype=AC)
-    out2, mixed2, stats2 = torch.ops.qbl.forward(x, l, w.to(AC), b.to(AC), gemm_dtype=AC)
-    for name, a, e in (("out", out, out2), ("mixed", mixed, mixed2), ("stats", stats, stats2)):
-        H.assert_bits_equal(a, e, f"forward's {name}, float32 parameters vs cast ones")
-    g = H.make_grad_out((3, 41, 48), AC, seed=208)
-    m = mixed if kept else None
-    got = torch.ops.qbl.backward(g, x, l, w, m, stats, True, [True] * 4, gemm_dtype=AC)
-    want = torch.ops.qbl.backward(g, x, l, w.to(AC), m, stats, True, [True] * 4, gemm_dtype=AC)
-    assert [t.dtype for t in got] == [torch.float32, AC, torch.float32, torch.float32], (
-        f"gradient dtypes {[t.dtype for t in got]}")
-    for name, a, e in zip(("grad_x", "grad_logits", "grad_weight", "grad_bias"), got, want):
-        H.assert_bits_equal(a, e.to(a.dtype), f"{name}, float32 weight vs cast weight")
+    cast), whether wgrad runs beside dgrad (the cast then runs beside wgrad) or after it;
+    qbl.forward likewise gives the bits of the call with the cast parameters."""
+    monkeypatch.setenv("QBL_OVERLAP_WGRAD", overlap)
+    qbl.clear_cache()
+    try:
+        x, l, w, b = H.make_inputs((3, 41), 64, 48, torch.float32, bias=has_bias, seed=207)
+        l = l.to(AC)
+        b16 = None if b is None else b.to(AC)
+        out, mixed, stats = torch.ops.qbl.forward(x, l, w, b, gemm_dtype=AC)
+        out2, mixed2, stats2 = torch.ops.qbl.forward(x, l, w.to(AC), b16, gemm_dtype=AC)
+        for name, a, e in (("out", out, out2), ("mixed", mixed, mixed2),
+                           ("stats", stats, stats2)):
+            H.assert_bits_equal(a, e, f"forward's {name}, float32 parameters vs cast ones")
+        g = H.make_grad_out((3, 41, 48), AC, seed=208)
+        m = mixed if kept else None
+        got = torch.ops.qbl.backward(g, x, l, w, m, stats, has_bias, mask, gemm_dtype=AC)
+        want = torch.ops.qbl.backward(g, x, l, w.to(AC), m, stats, has_bias, mask,
+                                      gemm_dtype=AC)
+        assert [t.dtype for t in got] == [torch.float32, AC, torch.float32, torch.float32], (
+            f"gradient dtypes {[t.dtype for t in got]}")
+        names = ("grad_x", "grad_logits", "grad_weight", "grad_bias")
+        for name, wanted, a, e in zip(names, mask[:3] + [mask[3] and has_bias], got, want):
+            assert a.numel() == (e.numel() if wanted else 0), f"{name}: shape {tuple(a.shape)}"
+            H.assert_bits_equal(a, e.to(a.dtype), f"{name}, float32 weight vs cast weight")
+    finally:
+        monkeypatch.delenv("QBL_OVERLAP_WGRAD", raising=False)
+        qbl.clear_cache()
 
 
 def test_gemm_dtype_takes_parameters_of_it_or_float32():
