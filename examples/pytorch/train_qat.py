@@ -24,8 +24,9 @@ parameters under torch.autocast(bfloat16)), fp32 (TF32 off). For each D and time
 variants run eager and torch.compile'd (default mode, dynamic=False): all of them are warmed up
 (compiling, qbl planning), then take turns in rounds, each running --round-warmup untimed steps
 (1: the switch from another variant stays out of the numbers) and then timing --round-steps
-consecutive steps between one pair of CUDA events. Reported: the median ms per step over the rounds, the host's
-time per step to enqueue them, and the peak memory of a step: torch.cuda.max_memory_allocated()
+consecutive steps between one pair of CUDA events. Reported: the median ms per step over the
+rounds, the host's time per step to enqueue them, and the peak memory of a step:
+torch.cuda.max_memory_allocated()
 over the round's steps above what was allocated before them (parameters, optimizer state and
 data), the median over rounds. Loss curves: reference and qbl from the same parameters on the same
 batches, and the reference a second time, for the size of its own run-to-run differences.

@@ -50,15 +50,16 @@ std::pair<Tensor, std::optional<Tensor>> cast_parameters(ScalarType a, const Ten
   return {w, at::autocast::cached_cast(a, *bias, c10::DeviceType::CUDA)};
 }
 
-/// The parameters as the fused operator takes them with gemm_dtype `a`: float32 weight and bias
-/// as they are (the operator casts them to `a`, and autograd keeps the float32 weight for the
-/// backward instead of a cast copy), weight and bias already of `a` as they are, anything else
-/// cast as F.linear casts it.
+/// The parameters as the fused operator takes them with gemm_dtype `a`: a float32 leaf weight
+/// (a parameter, alive anyway) and its bias as they are (the operator casts them to `a`, and
+/// autograd keeps the float32 weight for the backward instead of a cast copy), weight and bias
+/// already of `a` as they are, anything else cast as F.linear casts it -- a computed float32
+/// weight too, so that autograd keeps the copy in `a`, not the float32 intermediate.
 std::pair<Tensor, std::optional<Tensor>> fused_parameters(ScalarType a, const Tensor& weight,
                                                           const std::optional<Tensor>& bias) {
   const ScalarType w = weight.scalar_type();
-  if ((w == at::kFloat || w == a) && (!given(bias) || bias->scalar_type() == w))
-    return {weight, bias};
+  const bool as_they_are = w == a || (w == at::kFloat && weight.is_leaf());
+  if (as_they_are && (!given(bias) || bias->scalar_type() == w)) return {weight, bias};
   return cast_parameters(a, weight, bias);
 }
 

@@ -126,8 +126,9 @@ def cache_info() -> list[dict]:
     activation (None or its name); in/out features; tf32; backward (its backward plan is made);
     max_tokens (its token capacity); forward_workspace_bytes and backward_workspace_bytes (the
     most one call takes from torch's caching allocator, at max_tokens, for as long as it runs;
-    with a float32 weight under autocast a call also holds the weight's cast, and a backward with
-    wgrad beside dgrad the two halves' workspaces, about as much again)."""
+    with a float32 weight under autocast a call also holds the weight's cast, out_features x
+    in_features x 2 bytes, and its backward with wgrad beside dgrad one more buffer of the bias's
+    partial sums, out_features x 256 bytes)."""
     numbers, names = torch.ops.qbl.cache_info()
     keys = ("device", "in_features", "out_features", "tf32", "backward", "max_tokens",
             "forward_workspace_bytes", "backward_workspace_bytes")
