@@ -278,8 +278,8 @@ def test_captured_autocast_training_step_replays_eager_steps(beside, monkeypatch
     """A whole mixed-precision step -- forward under autocast(cache_enabled=False), backward, and an
     AdamW step on fp32 parameters -- captured in a CUDA graph and replayed: the parameters after 3
     eager warm-up steps and 5 replays equal those after 8 eager steps, bit for bit. Captured on
-    torch's capture stream (no side stream of qbl's exists for it: the weight's cast, dgrad, then
-    wgrad on one stream), and on the warm-up's stream with wgrad beside dgrad (its side stream
+    torch's capture stream (no side stream of qbl's exists for it: the weight's cast, wgrad and
+    dgrad on one stream), and on the warm-up's stream with wgrad beside dgrad (its side stream
     made while warming up: the float32 weight's cast beside wgrad, captured)."""
     if beside:
         monkeypatch.setenv("QBL_OVERLAP_WGRAD", "1")
