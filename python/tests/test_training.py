@@ -187,7 +187,7 @@ def test_autocast_keeps_a_cast_copy_of_a_computed_float32_weight():
         f"qbl keeps no {AC} copy of the computed weight: {kept}")
 
 
-@pytest.mark.parametrize("overlap", ["1", "0"], ids=["wgrad_beside_dgrad", "wgrad_after"])
+@pytest.mark.parametrize("overlap", ["1", "0"], ids=["wgrad_beside_dgrad", "wgrad_serialized"])
 @pytest.mark.parametrize("mask,has_bias", [
     ([True, True, True, True], True), ([True, False, True, True], True),
     ([False, True, False, True], True), ([True, True, True, False], False)],
@@ -199,7 +199,7 @@ def test_backward_casts_a_float32_weight_to_gemm_dtype(ac, kept, mask, has_bias,
     """qbl.backward with gemm_dtype and a float32 weight computes with the weight cast to the
     GEMM's dtype and returns grad_weight and grad_bias in float32: bit for bit the same call with
     the cast weight, its parameter gradients cast to float32 (as autograd casts them through a
-    cast), whether wgrad runs beside dgrad (the cast then runs beside wgrad) or after it;
+    cast), whether wgrad runs beside dgrad (the cast then runs beside wgrad) or serialized with it;
     qbl.forward likewise gives the bits of the call with the cast parameters."""
     monkeypatch.setenv("QBL_OVERLAP_WGRAD", overlap)
     qbl.clear_cache()
