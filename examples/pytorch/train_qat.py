@@ -22,9 +22,11 @@ A step is forward, loss, backward and a fused AdamW step on 8 x 1024 tokens, all
 the GPU beforehand. Precisions: bf16 (parameters and activations in bfloat16), autocast (float32
 parameters under torch.autocast(bfloat16)), fp32 (TF32 off). For each D and timed precision, both
 variants run eager and torch.compile'd (default mode, dynamic=False): all of them are warmed up
-(compiling, qbl planning), then take turns in rounds, each timing --round-steps consecutive steps
-between one pair of CUDA events. Reported: the median ms per step over the rounds, the host's
-time per step to enqueue them, and the peak memory of a step: torch.cuda.max_memory_allocated()
+(compiling, qbl planning), then take turns in rounds, each running --round-warmup untimed steps
+(1: the switch from another variant stays out of the numbers) and then timing --round-steps
+consecutive steps between one pair of CUDA events. Reported: the median ms per step over the
+rounds, the host's time per step to enqueue them, and the peak memory of a step:
+torch.cuda.max_memory_allocated()
 over the round's steps above what was allocated before them (parameters, optimizer state and
 data), the median over rounds. Loss curves: reference and qbl from the same parameters on the same
 batches, and the reference a second time, for the size of its own run-to-run differences.
@@ -293,6 +295,10 @@ def time_precision(models: Models, precision: str, batches: Batches, args, bar: 
         bar.update(0, f"{label}: timing round {r + 1}/{args.rounds}")
         for j in range(len(keys)):
             key = keys[(r + j) % len(keys)]  # the order rotates: none always goes first
+            # Untimed steps first: the switch from the previous variant (its freed blocks, the
+            # caches it left) stays out of the numbers, as a training loop never switches.
+            for i in range(args.round_warmup):
+                steps[key](*batches[(r * args.round_steps + i) % len(batches)])
             gpu_ms, host_ms, peak_mib = timed_steps(steps[key], batches, args.round_steps,
                                                     r * args.round_steps)
             times[key]["gpu_ms"].append(gpu_ms)
@@ -482,6 +488,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--round-steps", type=int, default=None,
                     help="steps per timing round, between one pair of events (10; --quick 5)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant and mode")
+    ap.add_argument("--round-warmup", type=int, default=1,
+                    help="untimed steps before each timed round (0: none)")
     ap.add_argument("--lr", type=float, default=None,
                     help="AdamW's learning rate (default: 1e-3 x 1024 / D, as wide layers need)")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and loss-curve steps")
@@ -536,6 +544,8 @@ def parse_args():
             setattr(args, name, quick if args.quick else full)
     if args.steps < 1 or args.rounds < 1 or args.round_steps < 1 or args.warmup < 1:
         ap.error("--steps, --rounds, --round-steps and --warmup must be positive")
+    if args.round_warmup < 0:
+        ap.error("--round-warmup must not be negative")
     return args
 
 

@@ -6,10 +6,14 @@
 // the casts recorded by autograd (../reference/autocast.md, checked against eager in the tests).
 // Where P is x's dtype and the logits are fp32 or A -- the combinations qbl computes -- the
 // operator runs with gemm_dtype = A: the prologue writes `mixed` in A (eager's mixed.to(A),
-// bit for bit), weight and bias are cast as F.linear casts them, and their gradients flow back
-// through those casts. Any other combination runs the reference's own ops, so that it too is
-// what eager computes. (torch.library.register_autocast would cast every input to A: not eager's
-// semantics here.)
+// bit for bit), and weight and bias are cast to A as F.linear casts them: float32 parameters
+// inside the operator (forward and again in the backward, so that autograd keeps the parameter,
+// not a copy of it in A, between the two), any other dtype here. Their gradients come back in
+// their own dtype, the casts of the gradients in A, as eager's autograd gives them (a weight
+// used by several calls in one region has their gradients summed in float32 here, in A by eager,
+// which casts it once through its cache). Any other combination runs the reference's own ops, so
+// that it too is what eager computes.
+// (torch.library.register_autocast would cast every input to A: not eager's semantics here.)
 
 #include "qbl_torch.h"
 
@@ -44,6 +48,19 @@ std::pair<Tensor, std::optional<Tensor>> cast_parameters(ScalarType a, const Ten
   Tensor w = at::autocast::cached_cast(a, weight, c10::DeviceType::CUDA);
   if (!given(bias)) return {w, std::nullopt};
   return {w, at::autocast::cached_cast(a, *bias, c10::DeviceType::CUDA)};
+}
+
+/// The parameters as the fused operator takes them with gemm_dtype `a`: a float32 leaf weight
+/// (a parameter, alive anyway) and its bias as they are (the operator casts them to `a`, and
+/// autograd keeps the float32 weight for the backward instead of a cast copy), weight and bias
+/// already of `a` as they are, anything else cast as F.linear casts it -- a computed float32
+/// weight too, so that autograd keeps the copy in `a`, not the float32 intermediate.
+std::pair<Tensor, std::optional<Tensor>> fused_parameters(ScalarType a, const Tensor& weight,
+                                                          const std::optional<Tensor>& bias) {
+  const ScalarType w = weight.scalar_type();
+  const bool as_they_are = w == a || (w == at::kFloat && weight.is_leaf());
+  if (as_they_are && (!given(bias) || bias->scalar_type() == w)) return {weight, bias};
+  return cast_parameters(a, weight, bias);
 }
 
 /// Eager's activation of x, in x's dtype (no activation is on autocast's lists).
@@ -101,7 +118,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_autocast(
                                     a);
   }
   // The activation runs inside, in x's dtype, as eager's does under autocast.
-  const auto [w, b] = cast_parameters(a, weight, bias);
+  const auto [w, b] = fused_parameters(a, weight, bias);
   const ScalarType g = x.scalar_type() == at::kFloat ? a : x.scalar_type();
   return forward_op().call(x, logits, w, b, stats, activation, keep_mixed, straight_through,
                            allow_tf32, g);

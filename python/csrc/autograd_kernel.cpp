@@ -1,8 +1,9 @@
 // The autograd formula, in C++ (a Python formula costs tens of microseconds per call), as
 // torchvision's csrc/ops/autograd: a torch::autograd::Function whose backward calls the backward
-// operator. The forward saves x (the activation's input, where there is one), logits, weight, the
-// stats and -- only with keep_mixed and where grad_weight will read it -- mixed; without it the
-// backward recomputes mixed from x and the stats. A given stats (the sharded forward's reduced
+// operator. The forward saves x (the activation's input, where there is one), logits, weight (as
+// given: under autocast the float32 parameter, which the backward casts again, not a cast copy),
+// the stats and -- only with keep_mixed and where grad_weight will read it -- mixed; without it
+// the backward recomputes mixed from x and the stats. A given stats (the sharded forward's reduced
 // amax) is detached, as the amax of the reference module.
 
 #include "qbl_torch.h"
@@ -48,6 +49,8 @@ class LayerFunction : public torch::autograd::Function<LayerFunction> {
     ctx->saved_data["activation"] = activation;
     ctx->saved_data["straight_through"] = straight_through;
     ctx->saved_data["allow_tf32"] = allow_tf32;
+    ctx->saved_data["gemm_dtype"] =
+        gemm_dtype.has_value() ? static_cast<std::int64_t>(*gemm_dtype) : std::int64_t{-1};
     ctx->mark_non_differentiable({mixed, stats_out});
     // The gradients of mixed and stats are always undefined: not materialized as zeros (two
     // allocations and fills of mixed's size per backward otherwise).
@@ -71,9 +74,13 @@ class LayerFunction : public torch::autograd::Function<LayerFunction> {
     const std::optional<Tensor> mixed =
         saved[3].defined() ? std::optional<Tensor>(saved[3]) : std::nullopt;
     const std::string activation = ctx->saved_data["activation"].toStringRef();
-    auto [gx, gl, gw, gb] = backward_op().call(
-        grads[0], x, saved[1], saved[2], mixed, saved[4], has_bias, mask, activation,
-        ctx->saved_data["straight_through"].toBool(), ctx->saved_data["allow_tf32"].toBool());
+    const std::int64_t g = ctx->saved_data["gemm_dtype"].toInt();
+    const std::optional<ScalarType> gemm_dtype =
+        g < 0 ? std::nullopt : std::optional<ScalarType>(static_cast<ScalarType>(g));
+    auto [gx, gl, gw, gb] =
+        backward_op().call(grads[0], x, saved[1], saved[2], mixed, saved[4], has_bias, mask,
+                           activation, ctx->saved_data["straight_through"].toBool(),
+                           ctx->saved_data["allow_tf32"].toBool(), gemm_dtype);
     torch::autograd::variable_list result(10);
     result[0] = mask[0] ? gx : Tensor();
     result[1] = mask[1] ? gl : Tensor();

@@ -62,11 +62,19 @@ Dtypes forward_dtypes(const char* op, const Tensor& x, const Tensor& logits, con
     check_dtype(op, weight, "weight", d.x, "x");
     if (given(bias)) check_dtype(op, *bias, "bias", d.x, "x");
   } else {
-    check_dtype(op, weight, "weight", d.gemm, "gemm_dtype");
-    if (given(bias)) check_dtype(op, *bias, "bias", d.gemm, "gemm_dtype");
+    check_parameter_dtypes(op, weight, bias, d.gemm);
   }
   check_supported(op, d);
   return d;
+}
+
+void check_parameter_dtypes(const char* op, const Tensor& weight, const std::optional<Tensor>& bias,
+                            ScalarType gemm) {
+  const ScalarType w = weight.scalar_type();
+  TORCH_CHECK_TYPE(w == gemm || w == at::kFloat, op, ": weight has dtype ", c10::toString(w),
+                   " but gemm_dtype is ", c10::toString(gemm),
+                   "; with gemm_dtype, weight and bias are of gemm_dtype or float32 (cast to it)");
+  if (given(bias)) check_dtype(op, *bias, "bias", w, "weight");
 }
 
 void check_bias(const char* op, const Tensor& bias, const Tensor& x, std::int64_t out_features) {

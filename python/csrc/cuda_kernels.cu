@@ -18,6 +18,45 @@ Tensor workspace(std::size_t bytes, const Tensor& like) {
   return at::empty({static_cast<std::int64_t>(bytes)}, like.options().dtype(at::kByte));
 }
 
+/// A GEMM operand of dtype `g`, contiguous: `t` itself where it has that dtype, else its cast
+/// (round to nearest even: autocast's cast of a float32 parameter), which lives for the call.
+Tensor gemm_operand(const Tensor& t, ScalarType g) {
+  return t.scalar_type() == g
+             ? t.contiguous()
+             : t.to(g, /*non_blocking=*/false, /*copy=*/false, c10::MemoryFormat::Contiguous);
+}
+
+/// The backward of call `c` (both GEMMs wanted, wgrad beside dgrad) whose weight is `weight_in`
+/// cast to `gemm`: wgrad's half of the call on `side` (forked from `stream`), then the cast and
+/// dgrad's half on `stream`, then `stream` joins `side` -- on every way out, a throw included.
+/// The same kernels on the same streams as the plan's one call, so the same bits; the cast, a
+/// pass over the weight, runs beside wgrad instead of delaying it.
+void backward_beside_cast(const Layer& layer, BackwardCall c, const Tensor& weight_in,
+                          ScalarType gemm, const Tensor& like, qbl::SideStream& side,
+                          cudaStream_t stream) {
+  BackwardCall w = c;  // grad_weight and grad_bias (and a recomputed mixed, where one is)
+  w.grad_x = nullptr, w.grad_logits = nullptr, w.weight = nullptr;
+  c.grad_weight = nullptr, c.grad_bias = nullptr, c.mixed = nullptr;
+  const Tensor ws_w = workspace(layer.plans->backward_workspace_bytes(w), like);
+  C10_CUDA_CHECK(side.fork(stream));
+  struct Join {
+    qbl::SideStream* side;
+    cudaStream_t main;
+    cudaError_t join() noexcept {
+      qbl::SideStream* s = side;
+      side = nullptr;
+      return s != nullptr ? s->join(main) : cudaSuccess;
+    }
+    ~Join() { join(); }
+  } join{&side, stream};
+  translate([&] { layer.plans->backward(w, ws_w.mutable_data_ptr(), nullptr, side.stream()); });
+  const Tensor weight = gemm_operand(weight_in, gemm);
+  c.weight = weight.const_data_ptr();
+  const Tensor ws = workspace(layer.plans->backward_workspace_bytes(c), like);
+  translate([&] { layer.plans->backward(c, ws.mutable_data_ptr(), nullptr, stream); });
+  C10_CUDA_CHECK(join.join());
+}
+
 // The forward, from x's own amax or (stats given) from stats[0]; with an activation, of act(x).
 std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& x_in, const Tensor& logits_in,
                                                 const Tensor& weight_in,
@@ -45,9 +84,9 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& x_in, const Tensor
 
   const c10::cuda::CUDAGuard guard(x_in.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  const Tensor x = x_in.contiguous(), logits = logits_in.contiguous(),
-               weight = weight_in.contiguous();
-  const Tensor bias = has_bias ? bias_in->contiguous() : Tensor();
+  const Tensor x = x_in.contiguous(), logits = logits_in.contiguous();
+  const Tensor weight = gemm_operand(weight_in, dtypes.gemm);
+  const Tensor bias = has_bias ? gemm_operand(*bias_in, dtypes.gemm) : Tensor();
   const LayerKey key{x.get_device(), dtypes,         act,
                      p.in_features,  p.out_features, allow_tf32 && dtypes.gemm == at::kFloat};
   // A forward recording autograd will be followed by a backward: plan both now, at one wait.
@@ -96,18 +135,22 @@ Tensor local_amax_cuda(const Tensor& x_in, c10::string_view activation) {
 std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
     const Tensor& grad_out_in, const Tensor& x_in, const Tensor& logits_in, const Tensor& weight_in,
     const std::optional<Tensor>& mixed_in, const Tensor& stats, bool has_bias,
-    std::array<bool, 4> mask, c10::string_view activation, bool straight_through, bool allow_tf32) {
+    std::array<bool, 4> mask, c10::string_view activation, bool straight_through, bool allow_tf32,
+    std::optional<ScalarType> gemm_dtype) {
   constexpr const char* op = "qbl.backward";
   const qbl::Activation act = parse_activation(op, activation);
   const Problem p = check_problem(op, x_in, logits_in, weight_in);
-  const Dtypes dtypes{x_in.scalar_type(), weight_in.scalar_type(), logits_in.scalar_type()};
+  const ScalarType w_dtype = weight_in.scalar_type();
+  const Dtypes dtypes{x_in.scalar_type(), gemm_dtype.value_or(w_dtype), logits_in.scalar_type()};
+  if (gemm_dtype.has_value()) check_parameter_dtypes(op, weight_in, std::nullopt, dtypes.gemm);
   check_supported(op, dtypes);
   check_dense(op, grad_out_in, "grad_out", x_in);
-  check_dtype(op, grad_out_in, "grad_out", dtypes.gemm, "weight");
+  const char* gemm_name = gemm_dtype.has_value() ? "gemm_dtype" : "weight";
+  check_dtype(op, grad_out_in, "grad_out", dtypes.gemm, gemm_name);
   const bool kept = given(mixed_in);
   if (kept) {
     check_dense(op, *mixed_in, "mixed", x_in);
-    check_dtype(op, *mixed_in, "mixed", dtypes.gemm, "weight");
+    check_dtype(op, *mixed_in, "mixed", dtypes.gemm, gemm_name);
     TORCH_CHECK(mixed_in->sizes() == x_in.sizes(), op, ": mixed must have x's shape ",
                 shape_str(x_in.sizes()), " or be None (recomputed), got ",
                 shape_str(mixed_in->sizes()));
@@ -120,11 +163,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
   const bool want_bias = mask[3] && has_bias;
   const auto x_opts = x_in.options();
   const auto g_opts = x_opts.dtype(dtypes.gemm), l_opts = x_opts.dtype(dtypes.logits);
+  const auto w_opts = x_opts.dtype(w_dtype);
   auto none = [&](const at::TensorOptions& o) { return at::empty({0}, o); };
-  // With no token the parameter gradients are sums of nothing: zeros.
+  // The parameter gradients come back in the weight's dtype; the GEMM and the column sum write
+  // them in the GEMM's, cast at the end where the two differ. With no token they are sums of
+  // nothing: zeros.
   auto param = [&](bool want, c10::IntArrayRef sizes) {
-    if (!want) return none(g_opts);
-    return p.tokens == 0 ? at::zeros(sizes, g_opts) : at::empty(sizes, g_opts);
+    if (!want) return none(w_opts);
+    return p.tokens == 0 ? at::zeros(sizes, w_opts) : at::empty(sizes, g_opts);
   };
   Tensor gx = mask[0] ? at::empty(x_in.sizes(), x_opts) : none(x_opts);
   Tensor gl = mask[1] ? at::empty(logits_in.sizes(), l_opts) : none(l_opts);
@@ -144,7 +190,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
   const Tensor grad_out = grad_out_in.contiguous();
   const Tensor x = need_x ? x_in.contiguous() : Tensor();
   const Tensor logits = dgrad || recompute ? logits_in.contiguous() : Tensor();
-  const Tensor weight = dgrad ? weight_in.contiguous() : Tensor();
+  // A float32 weight with a 16-bit GEMM (autocast's parameter) is cast for dgrad below.
+  const bool cast_weight = dgrad && w_dtype != dtypes.gemm;
+  Tensor weight = dgrad && !cast_weight ? weight_in.contiguous() : Tensor();
   const Tensor mixed = mask[2] && kept ? mixed_in->contiguous() : Tensor();
   const int device = x_in.get_device();
   const LayerKey key{device,        dtypes,         act,
@@ -167,8 +215,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
   // recomputed mixed, the side stream recomputes it first).
   qbl::SideStream* side =
       dgrad && wgrad && layer.plans->overlaps(p.tokens) ? side_stream(device, stream) : nullptr;
-  const Tensor ws = workspace(layer.plans->backward_workspace_bytes(c), grad_out);
-  translate([&] { layer.plans->backward(c, ws.mutable_data_ptr(), side, stream); });
+  if (cast_weight && side != nullptr) {
+    // The weight's cast beside wgrad rather than ahead of both: the plan's two halves as its one
+    // call would run them -- wgrad (after a recompute of mixed, with grad_bias) on the side
+    // stream, dgrad and the element kernel on this one -- with the cast on this stream between.
+    backward_beside_cast(layer, c, weight_in, dtypes.gemm, grad_out, *side, stream);
+  } else {
+    if (cast_weight) {
+      weight = gemm_operand(weight_in, dtypes.gemm);
+      c.weight = weight.const_data_ptr();
+    }
+    const Tensor ws = workspace(layer.plans->backward_workspace_bytes(c), grad_out);
+    translate([&] { layer.plans->backward(c, ws.mutable_data_ptr(), side, stream); });
+  }
+  if (w_dtype != dtypes.gemm) {
+    if (mask[2]) gw = gw.to(w_dtype);
+    if (want_bias) gb = gb.to(w_dtype);
+  }
   return {gx, gl, gw, gb};
 }
 

@@ -30,18 +30,23 @@ TORCH_LIBRARY(qbl, m) {
   // reduced over the shards), and the returned stats is a copy of it with the scale written.
   // activation: none, gelu, gelu_tanh, relu or silu, applied to x inside the layer. keep_mixed:
   // autograd keeps mixed for the backward (else the backward recomputes it); the computation
-  // itself is the same.
+  // itself is the same. gemm_dtype: the GEMM's dtype where it is not x's (autocast); weight and
+  // bias are then of it or float32, cast to it inside (under autocast the operators take the
+  // float32 parameters, so that autograd keeps the parameter itself for the backward rather than
+  // a cast copy).
   m.def(
       "forward(Tensor x, Tensor logits, Tensor weight, Tensor? bias, Tensor? stats=None, "
       "str activation=\"none\", bool keep_mixed=True, bool straight_through=False, "
       "bool allow_tf32=False, ScalarType? gemm_dtype=None) -> (Tensor out, Tensor mixed, "
       "Tensor stats)");
-  // mixed None: recomputed from x and stats (the forward kept none).
+  // mixed None: recomputed from x and stats (the forward kept none). gemm_dtype as the forward's;
+  // a float32 weight is cast to it for dgrad, and grad_weight and grad_bias come back in the
+  // weight's dtype (the GEMM dtype's gradients cast, as autograd casts them through a cast).
   m.def(
       "backward(Tensor grad_out, Tensor x, Tensor logits, Tensor weight, Tensor? mixed, "
       "Tensor stats, bool has_bias, bool[4] output_mask, str activation=\"none\", "
-      "bool straight_through=False, bool allow_tf32=False) -> (Tensor grad_x, "
-      "Tensor grad_logits, Tensor grad_weight, Tensor grad_bias)");
+      "bool straight_through=False, bool allow_tf32=False, ScalarType? gemm_dtype=None) -> "
+      "(Tensor grad_x, Tensor grad_logits, Tensor grad_weight, Tensor grad_bias)");
   m.def("local_amax(Tensor x, str activation=\"none\") -> Tensor");
   m.def("clear_cache() -> ()", &qbl_torch::clear_cache);
   m.def("cache_info() -> (int[], str[])", &qbl_torch::cache_info);

@@ -4,7 +4,8 @@
 //                             with `stats` given, the sharded forward's second step (amax read
 //                             from stats[0]); `activation` applies F.gelu / ... to x inside;
 //                             `keep_mixed` says whether autograd keeps mixed for the backward
-//   torch.ops.qbl.backward    the four gradients (mixed None: recomputed from x and stats)
+//   torch.ops.qbl.backward    the four gradients (mixed None: recomputed from x and stats); with
+//                             gemm_dtype, the weight may be float32 (cast for dgrad inside)
 //   torch.ops.qbl.local_amax  [max |act(x)|, 0] of a shard (the sharded forward's first step)
 //
 // one file per concern, as torchvision's csrc/ops: the schema (ops.cpp), argument checks
@@ -189,10 +190,14 @@ void check_dtype(const char* op, const Tensor& t, const char* name, ScalarType w
                  const char* whose);
 /// `d` one of qbl::SupportedTypes.
 void check_supported(const char* op, const Dtypes& d);
-/// The forward's dtypes: one, or (gemm_dtype given, as the autocast kernel gives it) the GEMM's
-/// for weight and bias with x and logits as they come.
+/// The forward's dtypes: one, or (gemm_dtype given, as the autocast kernel gives it) the GEMM's,
+/// with x and logits as they come and weight and bias as check_parameter_dtypes takes them.
 Dtypes forward_dtypes(const char* op, const Tensor& x, const Tensor& logits, const Tensor& weight,
                       const std::optional<Tensor>& bias, std::optional<ScalarType> gemm_dtype);
+/// With a GEMM dtype given: weight of that dtype or float32 (autocast's master weight, which the
+/// operators cast to it), bias of weight's dtype.
+void check_parameter_dtypes(const char* op, const Tensor& weight, const std::optional<Tensor>& bias,
+                            ScalarType gemm);
 /// bias dense on x's device, [out_features].
 void check_bias(const char* op, const Tensor& bias, const Tensor& x, std::int64_t out_features);
 /// stats a contiguous float32 [2] tensor on x's device; `what` says whose it must be.
@@ -208,7 +213,7 @@ using BackwardSignature = std::tuple<Tensor, Tensor, Tensor, Tensor>(
     const Tensor& grad_out, const Tensor& x, const Tensor& logits, const Tensor& weight,
     const std::optional<Tensor>& mixed, const Tensor& stats, bool has_bias,
     std::array<bool, 4> output_mask, c10::string_view activation, bool straight_through,
-    bool allow_tf32);
+    bool allow_tf32, std::optional<ScalarType> gemm_dtype);
 
 // The operators as the dispatcher knows them, for calls below the autograd and autocast keys.
 const c10::TypedOperatorHandle<ForwardSignature>& forward_op();

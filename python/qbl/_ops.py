@@ -28,7 +28,7 @@ def _local_amax_fake(x, activation="none"):
 
 @torch.library.register_fake("qbl::backward")
 def _backward_fake(grad_out, x, logits, weight, mixed, stats, has_bias, output_mask,
-                   activation="none", straight_through=False, allow_tf32=False):
+                   activation="none", straight_through=False, allow_tf32=False, gemm_dtype=None):
     def maybe(want, shape, like):
         return like.new_empty(shape) if want else like.new_empty((0,))
 
@@ -76,7 +76,8 @@ def quant_blend_linear(x: torch.Tensor, logits: torch.Tensor, weight: torch.Tens
     [out_features] or None; float32, bfloat16 or float16 CUDA tensors of one dtype on one device
     -- or, under torch.autocast, whatever dtypes autocast hands the layer: then it computes what
     eager computes for the reference module (the blend in the promoted dtype, the GEMM in the
-    autocast dtype through autocast's cast cache, out in the autocast dtype). Differentiable in
+    autocast dtype, out in the autocast dtype); float32 parameters are cast inside, and autograd
+    keeps the float32 weight for the backward rather than a cast copy. Differentiable in
     x, logits, weight and bias. straight_through=True takes the quantizer's gradient as the
     identity (the straight-through estimator); the default is the reference's zero gradient.
     allow_tf32=True runs float32 GEMMs on TF32 tensor cores.
@@ -124,8 +125,10 @@ def cache_info() -> list[dict]:
     """One dict per cached layer: device; x_dtype, gemm_dtype and logits_dtype (torch dtypes);
     activation (None or its name); in/out features; tf32; backward (its backward plan is made);
     max_tokens (its token capacity); forward_workspace_bytes and backward_workspace_bytes (the
-    most one call takes from torch's caching allocator, at max_tokens, for as long as it
-    runs)."""
+    most one call takes from torch's caching allocator, at max_tokens, for as long as it runs;
+    with a float32 weight under autocast a call also holds the weight's cast, out_features x
+    in_features x 2 bytes, and its backward with wgrad beside dgrad one more buffer of the bias's
+    partial sums, out_features x 256 bytes)."""
     numbers, names = torch.ops.qbl.cache_info()
     keys = ("device", "in_features", "out_features", "tf32", "backward", "max_tokens",
             "forward_workspace_bytes", "backward_workspace_bytes")

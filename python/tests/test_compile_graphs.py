@@ -72,6 +72,28 @@ def test_opcheck_backward(dtype, mask, has_bias, act, recompute):
                             f"activation={act}, recomputed mixed={recompute})")
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
+def test_opcheck_float32_parameters_with_a_bf16_gemm(keep):
+    """What the autocast kernel calls with float32 parameters: fp32 x, a bf16 gate, fp32 weight
+    and bias, gemm_dtype=bfloat16 -- the forward (its autograd formula keeps the fp32 weight) and
+    the backward that casts the weight and returns fp32 parameter gradients."""
+    x, l, w, b = H.make_inputs((3, 5), 32, 24, torch.float32, seed=53)
+    l = l.to(torch.bfloat16)
+    args = tuple(t.requires_grad_() for t in (x, l, w, b))
+    kwargs = {"activation": "gelu", "keep_mixed": keep, "gemm_dtype": torch.bfloat16}
+    _assert_opcheck(torch.library.opcheck(torch.ops.qbl.forward.default, args, kwargs,
+                                          raise_exception=False),
+                    f"qbl.forward (fp32 parameters, bf16 GEMM, keep_mixed={keep})")
+    _, mixed, stats = torch.ops.qbl.forward(*(t.detach() for t in args), **kwargs)
+    g = H.make_grad_out((3, 5, 24), torch.bfloat16, seed=54)
+    bargs = (g, x.detach(), l.detach(), w.detach(), mixed if keep else None, stats, True,
+             [True] * 4)
+    _assert_opcheck(torch.library.opcheck(torch.ops.qbl.backward.default, bargs,
+                                          {"activation": "gelu", "gemm_dtype": torch.bfloat16},
+                                          raise_exception=False),
+                    f"qbl.backward (fp32 weight, bf16 GEMM, mixed {'kept' if keep else 'None'})")
+
+
 class _Small(nn.Module):
     """The layer between exact ops (x * 2 and ReLU), so compiled code must match eager's bits."""
 

@@ -6,6 +6,8 @@ against eager's.
 The autocast reference is the reference module's arithmetic run by eager under autocast
 (helpers.eager_forward inside torch.autocast): F.linear casts mixed, weight and bias to the
 autocast dtype (weight and bias through autocast's cast cache), and autograd records the casts.
+qbl casts float32 parameters inside its operators instead, and keeps the float32 weight for the
+backward: the same values and gradients, without a cast copy of the weight between the two.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def test_autocast_forward_is_eagers(x_dtype, l_dtype, ac):
         pytest.skip("bf16 inputs under fp16 autocast: not a combination autocast produces")
     x, l, w, b = H.make_inputs((4, 33), 64, 48, torch.float32, seed=200)
     x, l = x.to(x_dtype), l.to(l_dtype)
-    w, b = w.requires_grad_(), b.requires_grad_()  # fp32 parameters: the cast cache applies
+    w, b = w.requires_grad_(), b.requires_grad_()  # fp32 parameters, as a model's
     with _autocast(ac):
         out, mixed, stats = torch.ops.qbl.forward(x, l, w, b)
         e = H.eager_forward(x, l, w, b)
@@ -71,12 +73,14 @@ def test_autocast_forward_is_eagers(x_dtype, l_dtype, ac):
     H.assert_gemm_close(out.detach(), e.out.detach(), ref, ac, "out under autocast")
 
 
+@pytest.mark.parametrize("computed", [False, True], ids=["parameter", "computed_weight"])
 @pytest.mark.parametrize("x_dtype,l_dtype", AUTOCAST_INPUTS[:3])
-def test_autocast_gradients_follow_the_casts(x_dtype, l_dtype):
+def test_autocast_gradients_follow_the_casts(x_dtype, l_dtype, computed):
     """Each input's gradient in its own dtype, as eager's autograd gives it through autocast's
     casts (x.grad in x's, logits.grad in the logits', weight.grad and bias.grad fp32); with W = I
     g_mixed is grad_out exactly, so grad_x is bit-identical to eager's; the rest within the
-    backward's bounds of eager's."""
+    backward's bounds of eager's. The weight a parameter (qbl casts it inside), or computed from
+    one (w * 1.0, not a leaf: cast as F.linear casts it), its gradient reaching the parameter."""
     d = 64
     x, l, _, _ = H.make_inputs((5, 29), d, d, torch.float32, seed=201)
     x, l = x.to(x_dtype), l.to(l_dtype)
@@ -86,7 +90,8 @@ def test_autocast_gradients_follow_the_casts(x_dtype, l_dtype):
     for name, fn in (("qbl", H.qbl_fn()), ("eager", H.eager_fn())):
         leaves = [t.detach().clone().requires_grad_() for t in (x, l, w, b)]
         with _autocast():
-            out = fn(*leaves)
+            args = leaves[:2] + [leaves[2] * 1.0 if computed else leaves[2], leaves[3]]
+            out = fn(*args)
         assert out.dtype == AC, f"{name}: out dtype {out.dtype}"
         out.backward(g)
         runs[name] = [t.grad for t in leaves]
@@ -122,6 +127,123 @@ def test_mixed_dtypes_outside_autocast_raise():
         qbl.quant_blend_linear(x, l, w.bfloat16(), b)
 
 
+@pytest.mark.parametrize("keep_mixed", [True, False], ids=["keep_mixed", "recompute"])
+def test_autocast_keeps_the_float32_weight_not_a_cast_copy(keep_mixed):
+    """Under autocast with float32 parameters, autograd keeps the weight parameter itself for the
+    backward (the operator casts it to the autocast dtype in the forward and again in the
+    backward) rather than a copy in the autocast dtype: the saved tensors include the weight's own
+    storage, and none has the weight's shape in the autocast dtype -- what eager's F.linear
+    keeps."""
+    x, l, w, b = H.make_inputs((4, 33), 64, 48, torch.float32, seed=206)
+    x, w, b = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    runs = {}
+    for name, fn in (("qbl", lambda: qbl.quant_blend_linear(x, l.to(AC), w, b,
+                                                            keep_mixed=keep_mixed)),
+                     ("eager", lambda: H.eager_forward(x, l.to(AC), w, b).out)):
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast():
+            fn()
+        runs[name] = saved
+    # A copy of the weight, or of its transpose (addmm keeps weight.t()): its size in AC. No other
+    # tensor here has as many elements (48 x 64: x and mixed have 4 x 33 x 64).
+    def copies(saved):
+        return [tuple(t.shape) for t in saved if t.dtype == AC and t.numel() == w.numel()]
+
+    assert copies(runs["eager"]), (
+        "eager's F.linear under autocast keeps the weight's cast (the test's premise): "
+        f"{[(tuple(t.shape), t.dtype) for t in runs['eager']]}")
+    q = runs["qbl"]
+    assert any(t.dtype == torch.float32 and t.data_ptr() == w.data_ptr() for t in q), (
+        f"qbl keeps {[(tuple(t.shape), t.dtype) for t in q]}: not the float32 weight")
+    assert not copies(q), (
+        f"qbl keeps a {AC} copy of the weight: {[(tuple(t.shape), t.dtype) for t in q]}")
+
+
+def test_autocast_keeps_a_cast_copy_of_a_computed_float32_weight():
+    """A computed float32 weight under autocast (not a leaf: a merged or parametrized weight) is
+    cast as F.linear casts it, so that autograd keeps the copy in the autocast dtype, as eager
+    does, and not the float32 intermediate (which eager frees after the forward). Its gradients:
+    test_autocast_gradients_follow_the_casts[computed_weight]."""
+    x, l, w, b = H.make_inputs((4, 33), 64, 48, torch.float32, seed=216)
+    x, w, b = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast():
+        computed = w * 1.0  # float32, not a leaf
+        qbl.quant_blend_linear(x, l.to(AC), computed, b)
+    kept = [(tuple(t.shape), t.dtype) for t in saved]
+    assert not any(t.data_ptr() == computed.data_ptr() for t in saved), (
+        f"qbl keeps the computed float32 weight for the backward: {kept}")
+    assert any(t.dtype == AC and t.numel() == w.numel() for t in saved), (
+        f"qbl keeps no {AC} copy of the computed weight: {kept}")
+
+
+@pytest.mark.parametrize("overlap", ["1", "0"], ids=["wgrad_beside_dgrad", "wgrad_serialized"])
+@pytest.mark.parametrize("mask,has_bias", [
+    ([True, True, True, True], True), ([True, False, True, True], True),
+    ([False, True, False, True], True), ([True, True, True, False], False)],
+    ids=["all", "x_weight_bias", "logits_bias", "nobias"])
+@pytest.mark.parametrize("kept", [True, False], ids=["mixed", "mixed_none"])
+@pytest.mark.parametrize("ac", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_backward_casts_a_float32_weight_to_gemm_dtype(ac, kept, mask, has_bias, overlap,
+                                                       monkeypatch):
+    """qbl.backward with gemm_dtype and a float32 weight computes with the weight cast to the
+    GEMM's dtype and returns grad_weight and grad_bias in float32: bit for bit the same call with
+    the cast weight, its parameter gradients cast to float32 (as autograd casts them through a
+    cast), whether wgrad runs beside dgrad (the cast then runs beside wgrad) or serialized with it;
+    qbl.forward likewise gives the bits of the call with the cast parameters."""
+    monkeypatch.setenv("QBL_OVERLAP_WGRAD", overlap)
+    qbl.clear_cache()
+    try:
+        x, l, w, b = H.make_inputs((3, 41), 64, 48, torch.float32, bias=has_bias, seed=207)
+        l = l.to(ac)
+        b16 = None if b is None else b.to(ac)
+        out, mixed, stats = torch.ops.qbl.forward(x, l, w, b, gemm_dtype=ac)
+        out2, mixed2, stats2 = torch.ops.qbl.forward(x, l, w.to(ac), b16, gemm_dtype=ac)
+        for name, a, e in (("out", out, out2), ("mixed", mixed, mixed2),
+                           ("stats", stats, stats2)):
+            H.assert_bits_equal(a, e, f"forward's {name}, float32 parameters vs cast ones")
+        g = H.make_grad_out((3, 41, 48), ac, seed=208)
+        m = mixed if kept else None
+        got = torch.ops.qbl.backward(g, x, l, w, m, stats, has_bias, mask, gemm_dtype=ac)
+        want = torch.ops.qbl.backward(g, x, l, w.to(ac), m, stats, has_bias, mask,
+                                      gemm_dtype=ac)
+        assert [t.dtype for t in got] == [torch.float32, ac, torch.float32, torch.float32], (
+            f"gradient dtypes {[t.dtype for t in got]}")
+        names = ("grad_x", "grad_logits", "grad_weight", "grad_bias")
+        for name, wanted, a, e in zip(names, mask[:3] + [mask[3] and has_bias], got, want):
+            assert a.numel() == (e.numel() if wanted else 0), f"{name}: shape {tuple(a.shape)}"
+            H.assert_bits_equal(a, e.to(a.dtype), f"{name}, float32 weight vs cast weight")
+    finally:
+        monkeypatch.delenv("QBL_OVERLAP_WGRAD", raising=False)
+        qbl.clear_cache()
+
+
+def test_gemm_dtype_takes_parameters_of_it_or_float32():
+    """With gemm_dtype, weight is of that dtype or float32 and bias of weight's: anything else is
+    a TypeError naming the dtypes, raised before anything runs."""
+    x, l, w, b = H.make_inputs((3, 4), 32, 16, torch.float32, seed=209)
+    with pytest.raises(TypeError, match="weight has dtype Half but gemm_dtype is BFloat16"):
+        torch.ops.qbl.forward(x, l, w.half(), b.half(), gemm_dtype=AC)
+    with pytest.raises(TypeError, match="bias has dtype BFloat16 but weight is Float"):
+        torch.ops.qbl.forward(x, l, w, b.to(AC), gemm_dtype=AC)
+    out, mixed, stats = torch.ops.qbl.forward(x, l, w, b, gemm_dtype=AC)
+    g = torch.ones_like(out)
+    with pytest.raises(TypeError, match="weight has dtype Half but gemm_dtype is BFloat16"):
+        torch.ops.qbl.backward(g, x, l, w.half(), mixed, stats, True, [True] * 4, gemm_dtype=AC)
+    with pytest.raises(TypeError, match="grad_out has dtype Float but gemm_dtype is BFloat16"):
+        torch.ops.qbl.backward(g.float(), x, l, w, mixed, stats, True, [True] * 4, gemm_dtype=AC)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_autocast_compiles_to_the_same_bits(backend):
     """torch.compile(fullgraph=True) of a function that runs the layer under autocast (fp32 x and
@@ -151,10 +273,18 @@ def test_autocast_compiles_to_the_same_bits(backend):
         H.assert_bits_equal(a, b_, f"{backend}: {name} compiled vs eager, under autocast")
 
 
-def test_captured_autocast_training_step_replays_eager_steps():
+@pytest.mark.parametrize("beside", [False, True], ids=["capture_stream", "warmed_stream"])
+def test_captured_autocast_training_step_replays_eager_steps(beside, monkeypatch):
     """A whole mixed-precision step -- forward under autocast(cache_enabled=False), backward, and an
     AdamW step on fp32 parameters -- captured in a CUDA graph and replayed: the parameters after 3
-    eager warm-up steps and 5 replays equal those after 8 eager steps, bit for bit."""
+    eager warm-up steps and 5 replays equal those after 8 eager steps, bit for bit. Captured on
+    torch's capture stream (no side stream of qbl's exists for it: the weight's cast, wgrad and
+    dgrad on one stream), and on the warm-up's stream with wgrad beside dgrad (its side stream
+    made while warming up: the float32 weight's cast beside wgrad, captured)."""
+    if beside:
+        monkeypatch.setenv("QBL_OVERLAP_WGRAD", "1")
+    qbl.clear_cache()
+
     def make():
         torch.manual_seed(205)
         return torch.nn.ModuleDict({
@@ -190,7 +320,7 @@ def test_captured_autocast_training_step_replays_eager_steps():
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side if beside else None):
         loss_of(m, static_x).backward()
         opt.step()
     for x in xs[3:]:
@@ -199,6 +329,8 @@ def test_captured_autocast_training_step_replays_eager_steps():
     torch.cuda.synchronize()
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         H.assert_bits_equal(p.detach(), q.detach(), f"{name} after 3 eager steps and 5 replays")
+    monkeypatch.delenv("QBL_OVERLAP_WGRAD", raising=False)
+    qbl.clear_cache()
 
 
 # ---- two streams ---------------------------------------------------------------------------------
