@@ -292,6 +292,8 @@ TYPED_TEST(ActivationStages, FusedStagesEqualTheActivationFollowedByThePlainStag
     QBL_ASSERT_CUDA(cudaMemset(stats.get(), 0, 8 * sizeof(float)));  // all 8 are downloaded
     for (auto* p : {dmix_re.get(o), dmix_re2.get(o)})
       QBL_ASSERT_CUDA(cudaMemset(p, qbl_test::poison_byte, n * sizeof(G)));
+    QBL_ASSERT_CUDA(cudaMemset(dgh2.get(o), qbl_test::poison_byte, n * sizeof(X)));
+    QBL_ASSERT_CUDA(cudaMemset(dgl2.get(o), qbl_test::poison_byte, t * sizeof(L)));
     const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
     const auto sn = static_cast<std::int64_t>(n);
     float* amax = stats.get(0);
@@ -325,9 +327,11 @@ TYPED_TEST(ActivationStages, FusedStagesEqualTheActivationFollowedByThePlainStag
         dg.get(o), dx.get(o), dl.get(o), scale, dgx.get(o), dgl_ref.get(o), s.tokens, s.features)));
     activate_backward_kernel<Act, X><<<blocks, 256>>>(dgx.get(o), dh.get(o), dref_gh.get(o), sn);
     QBL_ASSERT_CUDA(cudaGetLastError());
+    // With a table, one block (max_blocks 1) whose 8 warps each loop over every 8th row: the
+    // row loop that launches of fewer blocks than rows / 8 take.
     QBL_ASSERT_CUDA((qbl::detail::launch_quant_blend_backward<X, G, L, Act>(
         dg.get(o), dh.get(o), dl.get(o), scale, dgh2.get(o), dgl2.get(o), dmix_re.get(o), s.tokens,
-        s.features, qbl::QuantGrad::zero, 0, nullptr)));
+        s.features, qbl::QuantGrad::zero, 1, nullptr)));
     // Only the recomputed mixed: no g_mixed, no gradient.
     QBL_ASSERT_CUDA((qbl::detail::launch_quant_blend_backward<X, G, L, Act>(
         static_cast<const G*>(nullptr), dh.get(o), dl.get(o), scale, static_cast<X*>(nullptr),
@@ -342,7 +346,7 @@ TYPED_TEST(ActivationStages, FusedStagesEqualTheActivationFollowedByThePlainStag
         << "grad_logits";
     EXPECT_TRUE(qbl_test::bits_equal(download(dgh2.get(o), n), grad_h)) << "grad_h, recomputing";
     EXPECT_TRUE(qbl_test::bits_equal(download(dgl2.get(o), t), download(dgl.get(o), t)))
-        << "grad_logits, recomputing";
+        << "grad_logits, recomputing, one block";
     const std::vector<float> mixed = download(dmix.get(o), n);
     EXPECT_TRUE(qbl_test::bits_equal(download(dmix_re.get(o), n), mixed,
                                      static_cast<std::size_t>(s.features)))

@@ -74,12 +74,17 @@ struct ActivationTable {
 };
 
 /// The table of a tabulated activation for bfloat16 inputs: act(h) rounded to bfloat16 and, with
-/// DERIVATIVE, prepare()'s `terms` numbers. A __shared__ object, filled by the whole block.
+/// DERIVATIVE, prepare()'s `terms` numbers. A __shared__ object, filled by the whole block. With
+/// DERIVATIVE and one term (GELU, tanh-GELU) each entry holds both, 8 bytes, so that a lookup of
+/// both is one 8-byte shared load; otherwise act(h) and the terms lie in arrays of their own.
 template <typename Act, bool DERIVATIVE>
 struct ActivationTable<Act, __nv_bfloat16, DERIVATIVE, std::enable_if_t<Act::tabulated>> {
   static constexpr bool enabled = true;
-  std::uint16_t y[table_entries];  ///< bits of RN_bf16(act(h))
-  float d[DERIVATIVE ? Act::terms : 1][DERIVATIVE ? table_entries : 1];
+  static constexpr bool packed = DERIVATIVE && Act::terms == 1;
+  /// {bits of d[0], bits of RN_bf16(act(h))}, where packed.
+  uint2 entry[packed ? table_entries : 1];
+  std::uint16_t y[packed ? 1 : table_entries];  ///< bits of RN_bf16(act(h))
+  float d[DERIVATIVE && !packed ? Act::terms : 1][DERIVATIVE && !packed ? table_entries : 1];
 
   /// Every entry, by every thread of the block (the caller synchronizes the block before the
   /// first lookup); the derivative's numbers only where `derivative` (a backward that computes a
@@ -89,30 +94,58 @@ struct ActivationTable<Act, __nv_bfloat16, DERIVATIVE, std::enable_if_t<Act::tab
          i += static_cast<int>(blockDim.x)) {
       const float h = __bfloat162float(__ushort_as_bfloat16(table_input_bits(i)));
       float v;
+      float dv[Act::terms] = {};
       if constexpr (DERIVATIVE) {
         if (derivative) {
-          float dv[Act::terms];
           Act::prepare(h, v, dv);
-#pragma unroll
-          for (int t = 0; t < Act::terms; ++t) d[t][i] = dv[t];
         } else {
           v = Act::forward(h);
         }
       } else {
         v = Act::forward(h);
       }
-      y[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+      const std::uint16_t bits = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+      if constexpr (packed) {
+        entry[i] = make_uint2(__float_as_uint(dv[0]), bits);
+      } else {
+        y[i] = bits;
+        if constexpr (DERIVATIVE) {
+#pragma unroll
+          for (int t = 0; t < Act::terms; ++t) d[t][i] = dv[t];
+        }
+      }
     }
   }
   __device__ __forceinline__ __nv_bfloat16 value(std::uint32_t i) const {
-    return __ushort_as_bfloat16(y[i]);
+    if constexpr (packed) {
+      return __ushort_as_bfloat16(static_cast<std::uint16_t>(entry[i].y));
+    } else {
+      return __ushort_as_bfloat16(y[i]);
+    }
   }
   __device__ __forceinline__ float gradient(float dy, std::uint32_t i) const {
     static_assert(DERIVATIVE, "a table without the derivative's numbers");
     float dv[Act::terms];
+    if constexpr (packed) {
+      dv[0] = __uint_as_float(entry[i].x);
+    } else {
 #pragma unroll
-    for (int t = 0; t < Act::terms; ++t) dv[t] = d[t][i];
+      for (int t = 0; t < Act::terms; ++t) dv[t] = d[t][i];
+    }
     return Act::apply(dy, dv);
+  }
+  /// value(i) and gradient(dy, i) from one load of the entry where packed.
+  __device__ __forceinline__ void both(float dy, std::uint32_t i, __nv_bfloat16& x,
+                                       float& dh) const {
+    if constexpr (packed) {
+      const uint2 e = entry[i];
+      x = __ushort_as_bfloat16(static_cast<std::uint16_t>(e.y));
+      float dv[Act::terms] = {__uint_as_float(e.x)};
+      dh = Act::apply(dy, dv);
+    } else {
+      x = value(i);
+      dh = gradient(dy, i);
+    }
   }
 };
 
@@ -204,8 +237,9 @@ __device__ __forceinline__ void activate_both_vec(const Vec<T, N>& dy, const Vec
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const std::uint32_t i = table_slot(__bfloat16_as_ushort(h.v[j]), miss);
-      x.v[j] = table.value(i);
-      dh.v[j] = from_float<T>(table.gradient(to_float(dy.v[j]), i));
+      float d;
+      table.both(to_float(dy.v[j]), i, x.v[j], d);
+      dh.v[j] = from_float<T>(d);
     }
     if (miss != 0) {
 #pragma unroll

@@ -160,7 +160,12 @@ struct QuantBlendGradMath<T, T, T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && s
 /// grad_x may alias g_mixed where they are one type (each element is read before the same thread
 /// writes it, and a lane's loads of a group all come before its stores), so neither carries
 /// __restrict__.
-template <typename X, typename G, typename L, typename Act, bool MIXED, int N>
+///
+/// BOTH: grad_x and grad_logits are both wanted (training's usual call), known when compiling,
+/// so that the loop holds only that path: the same arithmetic, fewer instructions (sm_90 PTX,
+/// bf16: 289 against 231 for the identity, 1034 against 563 with GELU's table, whose three
+/// lookup paths the runtime flags kept).
+template <typename X, typename G, typename L, typename Act, bool MIXED, int N, bool BOTH>
 QBL_KERNEL void __launch_bounds__(
     backward_block_threads,
     table_min_blocks<ActivationTable<Act, X, true>::enabled>(backward_block_threads))
@@ -170,7 +175,7 @@ QBL_KERNEL void __launch_bounds__(
                                 std::int64_t tokens, std::int64_t features, QuantGrad quant_grad) {
   constexpr int U = backward_vectors_in_flight;
   constexpr bool identity = std::is_same_v<Act, Identity>;
-  const bool want_logits = grad_logits != nullptr, want_x = grad_x != nullptr;
+  const bool want_logits = BOTH || grad_logits != nullptr, want_x = BOTH || grad_x != nullptr;
   const bool want_g = want_logits || want_x;
   // x (h) is read for the sums, for the recomputed mixed and for the activation's backward.
   const bool read_x = want_logits || MIXED || (want_x && !identity);
@@ -265,9 +270,16 @@ cudaError_t launch_quant_blend_backward_kernel(const G* g_mixed, const X* x, con
   if (ActivationTable<Act, X, true>::enabled && max_blocks > 0 && blocks > max_blocks)
     blocks = max_blocks;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  quant_blend_backward_kernel<X, G, L, Act, MIXED, N>
-      <<<static_cast<unsigned>(blocks), backward_block_threads, 0, stream>>>(
-          g_mixed, x, logits, scale, grad_x, grad_logits, mixed, tokens, features, quant_grad);
+  const dim3 grid(static_cast<unsigned>(blocks));
+  if (grad_x != nullptr && grad_logits != nullptr) {
+    quant_blend_backward_kernel<X, G, L, Act, MIXED, N, true>
+        <<<grid, backward_block_threads, 0, stream>>>(
+            g_mixed, x, logits, scale, grad_x, grad_logits, mixed, tokens, features, quant_grad);
+  } else {
+    quant_blend_backward_kernel<X, G, L, Act, MIXED, N, false>
+        <<<grid, backward_block_threads, 0, stream>>>(
+            g_mixed, x, logits, scale, grad_x, grad_logits, mixed, tokens, features, quant_grad);
+  }
   return cudaGetLastError();
 }
 
@@ -305,10 +317,14 @@ cudaError_t backward_max_blocks(int* max_blocks) {
     QBL_CUDA_RETURN_IF_ERROR(sm_count(&sms));
     constexpr int N = vec16<X>;
     const void* kernels[] = {
-        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, false, N>),
-        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, true, N>),
-        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, false, 1>),
-        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, true, 1>)};
+        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, false, N, false>),
+        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, true, N, false>),
+        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, false, 1, false>),
+        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, true, 1, false>),
+        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, false, N, true>),
+        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, true, N, true>),
+        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, false, 1, true>),
+        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, true, 1, true>)};
     int least = 0;
     for (const void* k : kernels) {
       int resident = 0;
