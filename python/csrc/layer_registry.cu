@@ -29,12 +29,18 @@ std::int64_t capacity_for(std::int64_t tokens) {
   return c;
 }
 
+/// Is `stream` being captured into a CUDA graph? The legacy default stream while another stream
+/// captures in global mode (cudaErrorStreamCaptureImplicit) counts as capturing: no CUDA object
+/// may be made then either. Any other error is raised as itself (an invalid stream, an earlier
+/// kernel's failure), not taken for a capture.
 bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+  const cudaError_t e = cudaStreamIsCapturing(stream, &status);
+  if (e == cudaErrorStreamCaptureImplicit) {
     (void)cudaGetLastError();
-    return true;  // cannot tell: treat it as capturing
+    return true;
   }
+  C10_CUDA_CHECK(e);
   return status != cudaStreamCaptureStatusNone;
 }
 
