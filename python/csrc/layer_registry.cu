@@ -92,9 +92,16 @@ class Registry {
       std::lock_guard<std::mutex> lock(layers_mutex_);
       if (Layer* ready = planned(key, tokens, backward)) return *ready;
     }
-    TORCH_CHECK(!capturing(stream), "qbl: planning a layer for ", std::to_string(tokens),
-                " tokens during CUDA graph capture is not possible (planning allocates and "
-                "synchronizes); run the same call once before capturing");
+    if (capturing(stream)) {
+      // Another thread may be planning this very layer: wait for it (no CUDA call meanwhile),
+      // then look again.
+      std::lock_guard<std::mutex> planning(planning_mutex_);
+      std::lock_guard<std::mutex> lock(layers_mutex_);
+      if (Layer* ready = planned(key, tokens, backward)) return *ready;
+      TORCH_CHECK(false, "qbl: planning a layer for ", std::to_string(tokens),
+                  " tokens during CUDA graph capture is not possible (planning allocates and "
+                  "synchronizes); run the same call once before capturing");
+    }
     // One planning at a time, outside layers_mutex_: calls of layers already planned go on
     // while a thread waits for its stream and plans.
     std::lock_guard<std::mutex> planning(planning_mutex_);

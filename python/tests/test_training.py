@@ -259,6 +259,9 @@ def test_calls_of_a_planned_layer_do_not_wait_for_another_threads_planning():
         try:
             s = torch.cuda.Stream()
             with torch.cuda.stream(s):
+                # Cached memory for this stream first: the call's outputs, allocated before it
+                # looks its layer up, then need no cudaMalloc while the sleep kernel runs.
+                torch.empty(1 << 18, dtype=torch.uint8, device=H.device())  # freed: cached
                 torch.cuda._sleep(4_000_000_000)  # ~2 s of the planning's wait for this stream
                 about_to_plan.set()
                 qbl.quant_blend_linear(*new)
