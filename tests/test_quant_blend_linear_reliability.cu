@@ -81,9 +81,14 @@ TEST(QuantBlendLinearBadInput, WorkspaceThatCannotBeAllocatedIsOutOfMemory) {
   QBL_REQUIRE_GPU();
   // 2^45 bytes of `mixed`: no GPU has that.
   EXPECT_THROW(Layer(4096, 16, std::int64_t{1} << 31), qbl::out_of_memory);
-  cudaGetLastError();
+  // The failed cudaMalloc's error went out with the exception: not left behind as the thread's
+  // last error, for the caller's next check or qbl's next launch check to report again.
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   Layer fine(16, 16, 16);  // the device is still usable
   EXPECT_EQ(fine.max_tokens(), 16);
+  Buffers b(16, 16, 16, 5);
+  EXPECT_NO_THROW(b.forward(fine));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 // The layer's own rules, for every supported type triple -- a caller's mixed and stats come as a

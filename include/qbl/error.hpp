@@ -70,8 +70,13 @@ inline std::string where(const char* file, int line) {
   return std::string(file) + ":" + std::to_string(line);
 }
 
+// Both throwers clear the thread's last CUDA error first: the failed call's error (a failed
+// cudaMalloc's, say) is reported by this exception, and is not reported a second time by the
+// caller's next cudaGetLastError or by the next launch check -- qbl's own or torch's. (A sticky
+// error stays: nothing clears it.)
 [[noreturn]] inline void throw_cuda(cudaError_t code, const char* call, const char* file,
                                     int line) {
+  (void)cudaGetLastError();
   std::string msg = std::string("qbl: ") + call + " failed at " + where(file, line) + ": " +
                     cudaGetErrorName(code) + " (" + cudaGetErrorString(code) + ")";
   if (code == cudaErrorMemoryAllocation) throw out_of_memory(code, msg);
@@ -80,6 +85,7 @@ inline std::string where(const char* file, int line) {
 
 [[noreturn]] inline void throw_cublas(cublasStatus_t status, const char* call, const char* file,
                                       int line) {
+  (void)cudaGetLastError();
   throw cublas_error(status, std::string("qbl: ") + call + " failed at " + where(file, line) +
                                  ": " + cublasLtGetStatusName(status) + " (" +
                                  cublasLtGetStatusString(status) + ")");
@@ -88,7 +94,8 @@ inline std::string where(const char* file, int line) {
 }  // namespace detail
 }  // namespace qbl
 
-/// Throws qbl::cuda_error (or qbl::out_of_memory) if `call` does not return cudaSuccess.
+/// Throws qbl::cuda_error (or qbl::out_of_memory) if `call` does not return cudaSuccess, clearing
+/// the thread's last CUDA error.
 #define QBL_CUDA_TRY(call)                                               \
   do {                                                                   \
     const cudaError_t qbl_status_ = (call);                              \
@@ -97,7 +104,8 @@ inline std::string where(const char* file, int line) {
     }                                                                    \
   } while (0)
 
-/// Throws qbl::cublas_error if `call` does not return CUBLAS_STATUS_SUCCESS.
+/// Throws qbl::cublas_error if `call` does not return CUBLAS_STATUS_SUCCESS, clearing the thread's
+/// last CUDA error.
 #define QBL_CUBLAS_TRY(call)                                               \
   do {                                                                     \
     const cublasStatus_t qbl_status_ = (call);                             \

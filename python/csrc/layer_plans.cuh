@@ -22,16 +22,12 @@ class PlansOf final : public LayerPlans {
   PlansOf(std::int64_t in_features, std::int64_t out_features, std::int64_t capacity, bool backward,
           const qbl::Options& options)
       : forward_(in_features, out_features, capacity, options) {
-    if (backward) plan_backward(options);
+    if (backward)
+      backward_ =
+          std::make_unique<Backward>(in_features, out_features, forward_.max_tokens(), options);
   }
 
   bool has_backward() const override { return backward_ != nullptr; }
-
-  void plan_backward(const qbl::Options& options) override {
-    if (backward_ == nullptr)
-      backward_ = std::make_unique<Backward>(forward_.in_features(), forward_.out_features(),
-                                             forward_.max_tokens(), options);
-  }
 
   std::size_t forward_workspace_bytes() const override { return forward_.workspace_bytes(); }
 
@@ -74,8 +70,8 @@ class PlansOf final : public LayerPlans {
     return a;
   }
 
-  Forward forward_;
-  std::unique_ptr<Backward> backward_;
+  const Forward forward_;
+  std::unique_ptr<const Backward> backward_;  // set by the constructor only
 };
 
 template <typename Act>

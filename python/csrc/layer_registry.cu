@@ -29,12 +29,18 @@ std::int64_t capacity_for(std::int64_t tokens) {
   return c;
 }
 
+/// Is `stream` being captured into a CUDA graph? The legacy default stream while another stream
+/// captures in global mode (cudaErrorStreamCaptureImplicit) counts as capturing: no CUDA object
+/// may be made then either. Any other error is raised as itself (an invalid stream, an earlier
+/// kernel's failure), not taken for a capture.
 bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+  const cudaError_t e = cudaStreamIsCapturing(stream, &status);
+  if (e == cudaErrorStreamCaptureImplicit) {
     (void)cudaGetLastError();
-    return true;  // cannot tell: treat it as capturing
+    return true;
   }
+  C10_CUDA_CHECK(e);
   return status != cudaStreamCaptureStatusNone;
 }
 
@@ -69,8 +75,10 @@ std::unique_ptr<LayerPlans> plans_for(const LayerKey& key, std::int64_t capacity
   return made;
 }
 
-// A layer outgrown by a larger token count is retired, not freed: a call on another thread may
-// still be using it (plans are host objects; the work they enqueued owns nothing of theirs).
+// A layer outgrown by a larger token count, or planned without a backward that is now wanted, is
+// retired, not freed: a call on another thread may still be using it (plans are host objects;
+// the work they enqueued owns nothing of theirs). Looking a planned layer up takes layers_mutex_
+// only, never the wait for a stream and the planning of another thread's new layer.
 // clear() frees retired and live layers and the side streams after synchronizing their devices.
 class Registry {
  public:
@@ -80,36 +88,50 @@ class Registry {
   }
 
   Layer& layer(const LayerKey& key, std::int64_t tokens, bool backward, cudaStream_t stream) {
-    std::lock_guard<std::mutex> lock(layers_mutex_);
-    auto it = live_.find(key);
-    Layer* found = it != live_.end() && it->second->capacity >= tokens ? it->second.get() : nullptr;
-    if (found != nullptr && (!backward || found->plans->has_backward())) return *found;
-    TORCH_CHECK(!capturing(stream), "qbl: planning a layer for ", std::to_string(tokens),
-                " tokens during CUDA graph capture is not possible (planning allocates and "
-                "synchronizes); run the same call once before capturing");
+    {
+      std::lock_guard<std::mutex> lock(layers_mutex_);
+      if (Layer* ready = planned(key, tokens, backward)) return *ready;
+    }
+    if (capturing(stream)) {
+      // Another thread may be planning this very layer: wait for it (no CUDA call meanwhile),
+      // then look again.
+      std::lock_guard<std::mutex> planning(planning_mutex_);
+      std::lock_guard<std::mutex> lock(layers_mutex_);
+      if (Layer* ready = planned(key, tokens, backward)) return *ready;
+      TORCH_CHECK(false, "qbl: planning a layer for ", std::to_string(tokens),
+                  " tokens during CUDA graph capture is not possible (planning allocates and "
+                  "synchronizes); run the same call once before capturing");
+    }
+    // One planning at a time, outside layers_mutex_: calls of layers already planned go on
+    // while a thread waits for its stream and plans.
+    std::lock_guard<std::mutex> planning(planning_mutex_);
+    std::int64_t capacity = capacity_for(tokens);
+    bool with_backward = backward;
+    {
+      std::lock_guard<std::mutex> lock(layers_mutex_);
+      if (Layer* ready = planned(key, tokens, backward)) return *ready;  // planned meanwhile
+      auto it = live_.find(key);
+      if (it != live_.end()) {  // outgrown, or planned without a backward: planned anew
+        capacity = std::max(capacity, it->second->capacity);
+        with_backward = with_backward || it->second->plans->has_backward();
+      }
+    }
     // Planning allocates from torch's pool of this stream and works on streams of its own (and
     // the legacy default stream): let this stream's queued work finish first, so that no block
     // it frees on the way is still in use. Planning synchronizes anyway.
     C10_CUDA_CHECK(cudaStreamSynchronize(stream));
     const qbl::Options o = plan_options(key);
-    if (found != nullptr) {  // the forward is planned; the backward now too
-      translate([&] { found->plans->plan_backward(o); });
-      return *found;
-    }
-    const std::int64_t capacity = capacity_for(tokens);
-    const bool with_backward = backward || (it != live_.end() && it->second->plans->has_backward());
     std::unique_ptr<Layer> made;
     translate([&] {
       made =
           std::make_unique<Layer>(Layer{key, capacity, plans_for(key, capacity, with_backward, o)});
     });
     TORCH_INTERNAL_ASSERT(made->plans != nullptr, "qbl: a layer of unsupported dtypes");
-    if (it != live_.end()) {
-      retired_.push_back(std::move(it->second));
-      it->second = std::move(made);
-      return *it->second;
-    }
-    return *live_.emplace(key, std::move(made)).first->second;
+    std::lock_guard<std::mutex> lock(layers_mutex_);
+    std::unique_ptr<Layer>& slot = live_[key];
+    if (slot != nullptr) retired_.push_back(std::move(slot));
+    slot = std::move(made);
+    return *slot;
   }
 
   qbl::SideStream* side_stream(int device, cudaStream_t stream) {
@@ -124,6 +146,7 @@ class Registry {
   }
 
   void clear() {
+    std::lock_guard<std::mutex> planning(planning_mutex_);
     std::lock_guard<std::mutex> layers_lock(layers_mutex_);
     std::lock_guard<std::mutex> side_streams_lock(side_streams_mutex_);
     std::vector<int> devices;
@@ -159,7 +182,18 @@ class Registry {
   }
 
  private:
-  std::mutex layers_mutex_;  // live_ and retired_
+  /// The live layer of `key` if it serves `tokens` tokens (and a backward, where `backward`).
+  /// Called with layers_mutex_ held. A published layer never changes: a layer that must serve
+  /// more tokens, or a backward it was not planned for, is planned anew and replaces it.
+  Layer* planned(const LayerKey& key, std::int64_t tokens, bool backward) const {
+    auto it = live_.find(key);
+    if (it == live_.end() || it->second->capacity < tokens) return nullptr;
+    Layer* l = it->second.get();
+    return !backward || l->plans->has_backward() ? l : nullptr;
+  }
+
+  std::mutex planning_mutex_;  // one planning at a time; taken before layers_mutex_
+  std::mutex layers_mutex_;    // live_ and retired_
   std::map<LayerKey, std::unique_ptr<Layer>> live_;
   std::vector<std::unique_ptr<Layer>> retired_;
   std::mutex side_streams_mutex_;  // side_streams_

@@ -57,13 +57,11 @@ struct BackwardCall {
 };
 
 /// One layer's plans, of whatever element types and activation: the forward, and the backward
-/// once a backward is on its way.
+/// where it was planned with one. Immutable once made.
 class LayerPlans {
  public:
   virtual ~LayerPlans() = default;
   virtual bool has_backward() const = 0;
-  /// Plans the backward (on the current device), if not yet planned.
-  virtual void plan_backward(const qbl::Options& options) = 0;
   virtual std::size_t forward_workspace_bytes() const = 0;
   /// What backward(call) needs (0 without a backward plan).
   virtual std::size_t backward_workspace_bytes(const BackwardCall& call) const = 0;
@@ -93,7 +91,8 @@ struct Layer {
 /// The layer for `key` with room for `tokens`, planned on first use (on the current device, which
 /// is key.device), with a backward plan too when `backward`. Planning waits for `stream` once and
 /// cannot happen while `stream` is being captured into a CUDA graph: that raises RuntimeError.
-/// The layer stays valid until clear_cache().
+/// One thread plans at a time; a call whose layer is planned never waits for it. The layer stays
+/// valid until clear_cache().
 Layer& cached_layer(const LayerKey& key, std::int64_t tokens, bool backward, cudaStream_t stream);
 
 /// The side stream of calling stream `stream` on the current device `device`, made on first use;

@@ -374,6 +374,52 @@ def test_one_shape_on_two_streams_at_once_equals_serial_runs(dtype):
                 H.assert_bits_equal(got, want, f"rep {rep}, stream {k}: grad_{name}")
 
 
+def test_calls_of_a_planned_layer_do_not_wait_for_another_threads_planning():
+    """While one thread plans a new layer -- planning first waits for its stream, held back here
+    by a sleep kernel of about two seconds -- the forward and backward of a layer planned before,
+    on another thread and stream, return at once: looking up a planned layer never waits for the
+    planning of another."""
+    qbl.clear_cache()
+    ready = H.make_inputs((64,), 128, 64, torch.bfloat16, seed=240)
+    ready_g = H.make_grad_out((64, 64), torch.bfloat16, seed=241)
+    H.run_autograd(H.qbl_fn(), *ready, ready_g)  # planned, forward and backward
+    new = H.make_inputs((64,), 192, 96, torch.bfloat16, seed=242)  # another layer: unplanned
+    torch.cuda.synchronize()
+    about_to_plan, errors = threading.Event(), []
+
+    def planner():
+        try:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                # Cached memory for this stream first: the call's outputs, allocated before it
+                # looks its layer up, then need no cudaMalloc while the sleep kernel runs.
+                torch.empty(1 << 18, dtype=torch.uint8, device=H.device())  # freed: cached
+                torch.cuda._sleep(4_000_000_000)  # ~2 s of the planning's wait for this stream
+                about_to_plan.set()
+                qbl.quant_blend_linear(*new)
+            s.synchronize()
+        except Exception as e:  # noqa: BLE001 -- reported by the test's thread
+            errors.append(e)
+        finally:
+            about_to_plan.set()
+
+    thread = threading.Thread(target=planner)
+    thread.start()
+    try:
+        assert about_to_plan.wait(timeout=30), "the planning thread did not start"
+        time.sleep(0.1)  # the planner is inside its call now, waiting for its stream
+        t0 = time.perf_counter()
+        for _ in range(3):
+            H.run_autograd(H.qbl_fn(), *ready, ready_g)
+        host_s = time.perf_counter() - t0
+    finally:
+        thread.join(timeout=60)
+    assert not errors, f"the planning thread failed: {errors[0]!r}"
+    assert host_s < 0.5, (
+        f"three forwards and backwards of a planned layer took {host_s:.3f} s of host time while "
+        "another thread planned: they waited for its planning")
+
+
 def test_backward_on_another_stream_during_a_capture_equals_serial_runs():
     """A training call captured into a CUDA graph on one stream while another thread runs the
     same layer's forward and backward on another stream, after the captured backward and before
