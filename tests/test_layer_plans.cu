@@ -323,27 +323,16 @@ TYPED_TEST(ForwardPlanArguments, EveryBadArgumentThrowsItsTypeAndWritesNothing) 
   using Lg = typename TypeParam::logits_type;
   using Plan = qbl::ForwardPlan<X, G, Lg>;
   using Args = typename Plan::Arguments;
-  const std::int64_t tokens = 300, in = 128, out = 64;
-  const std::uint64_t seed = qbl_test::fresh_seed();
-  qbl_test::DeviceArray<X> x(tokens * in + 8);
-  qbl_test::DeviceArray<Lg> l(tokens + 8);
-  qbl_test::DeviceArray<G> w(out * in + 8), b(out + 8), y(tokens * out + 8), m(tokens * in + 8);
-  qbl_test::DeviceArray<float> st(8);
-  QBL_ASSERT_CUDA(
-      qbl_test::to_device(x.get(), qbl_test::convert<X>(qbl_test::randn(tokens * in, seed))));
-  QBL_ASSERT_CUDA(
-      qbl_test::to_device(l.get(), qbl_test::convert<Lg>(qbl_test::randn(tokens, seed + 1))));
-  QBL_ASSERT_CUDA(
-      qbl_test::to_device(w.get(), qbl_test::convert<G>(qbl_test::randn(out * in, seed + 2))));
-  QBL_ASSERT_CUDA(
-      qbl_test::to_device(b.get(), qbl_test::convert<G>(qbl_test::randn(out, seed + 3))));
+  using Buffers = qbl_test::ForwardBuffers<X, G, Lg>;
+  const Buffers buffers;
+  QBL_ASSERT_CUDA(buffers.fill(qbl_test::fresh_seed()));
   enum Expect { invalid, range };
   struct Case {
     const char* name;
     std::function<void(Args&)> change;
     Expect expect;
   };
-  G *W = w.get(), *M = m.get();
+  G *W = buffers.weight.get(), *M = buffers.mixed.get();
   const std::vector<Case> cases = {
       {"null x", [](Args& a) { a.x = nullptr; }, invalid},
       {"null logits", [](Args& a) { a.logits = nullptr; }, invalid},
@@ -374,28 +363,9 @@ TYPED_TEST(ForwardPlanArguments, EveryBadArgumentThrowsItsTypeAndWritesNothing) 
       {"stats in weight", [W](Args& a) { a.stats = reinterpret_cast<float*>(W); }, invalid},
       {"stats in mixed", [M](Args& a) { a.stats = reinterpret_cast<float*>(M); }, invalid},
   };
-  Plan plan(in, out, 512);
+  Plan plan(Buffers::in, Buffers::out, 512);
   Workspace ws(plan.workspace_bytes());
-  auto poison_and_check = [&](bool check) {
-    for (auto [p, n] : {std::pair<void*, std::size_t>{y.get(), y.size() * sizeof(G)},
-                        {m.get(), m.size() * sizeof(G)},
-                        {st.get(), st.size() * sizeof(float)}}) {
-      if (!check) {
-        QBL_ASSERT_CUDA(cudaMemset(p, qbl_test::poison_byte, n));
-        continue;
-      }
-      std::vector<unsigned char> bytes(n);
-      QBL_ASSERT_CUDA(cudaMemcpy(bytes.data(), p, n, cudaMemcpyDeviceToHost));
-      for (std::size_t i = 0; i < n; ++i)
-        ASSERT_EQ(bytes[i], qbl_test::poison_byte) << "written at byte " << i;
-    }
-  };
-  auto good = [&] {
-    Args a;
-    a.x = x.get(), a.logits = l.get(), a.weight = W, a.bias = b.get();
-    a.out = y.get(), a.mixed = M, a.stats = st.get(), a.tokens = tokens;
-    return a;
-  };
+  auto good = [&] { return buffers.template arguments<Args>(); };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     for (const qbl::AmaxSource source : {qbl::AmaxSource::x, qbl::AmaxSource::stats}) {
@@ -403,7 +373,7 @@ TYPED_TEST(ForwardPlanArguments, EveryBadArgumentThrowsItsTypeAndWritesNothing) 
       Args args = good();
       args.amax_source = source;
       c.change(args);
-      poison_and_check(false);
+      QBL_ASSERT_CUDA(buffers.poison());
       EXPECT_FALSE(plan.supports(args));
       if (c.expect == invalid) {
         EXPECT_THROW(plan.run(args, ws.get()), qbl::invalid_argument);
@@ -411,25 +381,25 @@ TYPED_TEST(ForwardPlanArguments, EveryBadArgumentThrowsItsTypeAndWritesNothing) 
         EXPECT_THROW(plan.run(args, ws.get()), qbl::out_of_range);
       }
       QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-      poison_and_check(true);
+      EXPECT_TRUE(buffers.untouched());
     }
   }
   {
     SCOPED_TRACE("null workspace");
-    poison_and_check(false);
+    QBL_ASSERT_CUDA(buffers.poison());
     EXPECT_TRUE(plan.supports(good()));
     EXPECT_THROW(plan.run(good(), nullptr), qbl::invalid_argument);
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    poison_and_check(true);
+    EXPECT_TRUE(buffers.untouched());
   }
   {
     SCOPED_TRACE("use after move");
-    poison_and_check(false);
+    QBL_ASSERT_CUDA(buffers.poison());
     Plan taken = std::move(plan);
     EXPECT_FALSE(plan.supports(good()));
     EXPECT_THROW(plan.run(good(), ws.get()), qbl::logic_error);
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    poison_and_check(true);
+    EXPECT_TRUE(buffers.untouched());
   }
 }
 

@@ -108,20 +108,9 @@ TYPED_TEST(QuantBlendLinearBadInputTyped, EveryCaseThrowsItsTypeAndWritesNothing
   using Lg = typename TypeParam::logits_type;
   using L = qbl::QuantBlendLinear<X, G, Lg>;
   using Args = typename L::ForwardArguments;
-  const std::int64_t tokens = 300, in = 128, out = 64;
-  const std::uint64_t seed = qbl_test::fresh_seed();
-  qbl_test::DeviceArray<X> x(tokens * in + 8);
-  qbl_test::DeviceArray<Lg> l(tokens + 8);
-  qbl_test::DeviceArray<G> w(out * in + 8), b(out + 8), y(tokens * out + 8), m(tokens * in + 8);
-  qbl_test::DeviceArray<float> st(8);
-  QBL_ASSERT_CUDA(
-      qbl_test::to_device(x.get(), qbl_test::convert<X>(qbl_test::randn(tokens * in, seed))));
-  QBL_ASSERT_CUDA(
-      qbl_test::to_device(l.get(), qbl_test::convert<Lg>(qbl_test::randn(tokens, seed + 1))));
-  QBL_ASSERT_CUDA(
-      qbl_test::to_device(w.get(), qbl_test::convert<G>(qbl_test::randn(out * in, seed + 2))));
-  QBL_ASSERT_CUDA(
-      qbl_test::to_device(b.get(), qbl_test::convert<G>(qbl_test::randn(out, seed + 3))));
+  using Buffers = qbl_test::ForwardBuffers<X, G, Lg>;
+  const Buffers buffers;
+  QBL_ASSERT_CUDA(buffers.fill(qbl_test::fresh_seed()));
   enum Expect { invalid, range };
   struct Case {
     const char* name;
@@ -134,45 +123,32 @@ TYPED_TEST(QuantBlendLinearBadInputTyped, EveryCaseThrowsItsTypeAndWritesNothing
       {"null x (the plan's check)", [](Args& a) { a.x = nullptr; }, invalid},
       {"tokens > max_tokens (the plan's check)", [](Args& a) { a.tokens = 513; }, range},
   };
-  L layer(in, out, 512);
-  auto poison_and_check = [&](bool check) {
-    for (auto [p, n] : {std::pair<void*, std::size_t>{y.get(), y.size() * sizeof(G)},
-                        {m.get(), m.size() * sizeof(G)},
-                        {st.get(), st.size() * sizeof(float)}}) {
-      if (!check) {
-        QBL_ASSERT_CUDA(cudaMemset(p, qbl_test::poison_byte, n));
-        continue;
-      }
-      std::vector<unsigned char> bytes(n);
-      QBL_ASSERT_CUDA(cudaMemcpy(bytes.data(), p, n, cudaMemcpyDeviceToHost));
-      for (std::size_t i = 0; i < n; ++i)
-        ASSERT_EQ(bytes[i], qbl_test::poison_byte) << "written at byte " << i;
-    }
-  };
+  L layer(Buffers::in, Buffers::out, 512);
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    Args args;
-    args.x = x.get(), args.logits = l.get(), args.weight = w.get(), args.bias = b.get();
-    args.out = y.get(), args.mixed = m.get(), args.stats = st.get(), args.tokens = tokens;
+    Args args = buffers.template arguments<Args>();
     c.change(args);
-    poison_and_check(false);
+    QBL_ASSERT_CUDA(buffers.poison());
     if (c.expect == invalid) {
       EXPECT_THROW(layer.forward(args), qbl::invalid_argument);
     } else {
       EXPECT_THROW(layer.forward(args), qbl::out_of_range);
     }
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    poison_and_check(true);
+    EXPECT_TRUE(buffers.untouched());
   }
   {
     SCOPED_TRACE("use after move");
-    poison_and_check(false);
+    QBL_ASSERT_CUDA(buffers.poison());
     L taken = std::move(layer);
-    EXPECT_THROW(layer.forward(x.get(), l.get(), w.get(), b.get(), y.get(), tokens),
+    const Buffers& b = buffers;
+    EXPECT_THROW(layer.forward(b.x.get(), b.logits.get(), b.weight.get(), b.bias.get(), b.y.get(),
+                               Buffers::tokens),
                  qbl::logic_error);
-    EXPECT_THROW(layer.forward_local_amax(x.get(), tokens, st.get()), qbl::logic_error);
+    EXPECT_THROW(layer.forward_local_amax(b.x.get(), Buffers::tokens, b.stats.get()),
+                 qbl::logic_error);
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    poison_and_check(true);
+    EXPECT_TRUE(buffers.untouched());
   }
 }
 

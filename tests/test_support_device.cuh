@@ -19,6 +19,7 @@
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace qbl_test {
@@ -182,5 +183,66 @@ template <typename T>
     if (is_poison(v[i])) return ::testing::AssertionFailure() << what << " unwritten at " << i;
   return ::testing::AssertionSuccess();
 }
+
+/// The buffers of the forward's bad-argument tests, for type triple (X, G, L): 300 tokens, 128 ->
+/// 64 features, every buffer 8 elements longer than it needs. fill() puts random values from a seed
+/// in x, logits, weight and bias; poison() and untouched() tell whether a call wrote out, mixed
+/// or stats.
+template <typename X, typename G, typename L>
+struct ForwardBuffers {
+  static constexpr std::int64_t tokens = 300, in = 128, out = 64;
+  static constexpr std::size_t slack = 8;
+  DeviceArray<X> x{tokens * in + slack};
+  DeviceArray<L> logits{tokens + slack};
+  DeviceArray<G> weight{out * in + slack}, bias{out + slack};
+  DeviceArray<G> y{tokens * out + slack}, mixed{tokens * in + slack};
+  DeviceArray<float> stats{slack};
+
+  cudaError_t fill(std::uint64_t seed) const {
+    cudaError_t e = to_device(x.get(), convert<X>(randn(tokens * in, seed)));
+    if (e == cudaSuccess) e = to_device(logits.get(), convert<L>(randn(tokens, seed + 1)));
+    if (e == cudaSuccess) e = to_device(weight.get(), convert<G>(randn(out * in, seed + 2)));
+    if (e == cudaSuccess) e = to_device(bias.get(), convert<G>(randn(out, seed + 3)));
+    return e;
+  }
+
+  /// Sets every byte of out, mixed and stats to poison_byte.
+  cudaError_t poison() const {
+    cudaError_t e = cudaSuccess;
+    for (const auto& [p, n] : outputs())
+      if (e == cudaSuccess) e = cudaMemset(p, poison_byte, n);
+    return e;
+  }
+
+  /// Does every byte of out, mixed and stats still hold the poison?
+  ::testing::AssertionResult untouched() const {
+    for (const auto& [p, n] : outputs()) {
+      std::vector<unsigned char> bytes(n);
+      const cudaError_t e = cudaMemcpy(bytes.data(), p, n, cudaMemcpyDeviceToHost);
+      if (e != cudaSuccess) return ::testing::AssertionFailure() << cudaGetErrorString(e);
+      for (std::size_t i = 0; i < n; ++i)
+        if (bytes[i] != poison_byte)
+          return ::testing::AssertionFailure()
+                 << "written at byte " << i << " of a buffer of " << n;
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+  /// A forward's arguments over these buffers, every pointer set, for all the tokens.
+  template <typename Args>
+  Args arguments() const {
+    Args a;
+    a.x = x.get(), a.logits = logits.get(), a.weight = weight.get(), a.bias = bias.get();
+    a.out = y.get(), a.mixed = mixed.get(), a.stats = stats.get(), a.tokens = tokens;
+    return a;
+  }
+
+ private:
+  std::vector<std::pair<void*, std::size_t>> outputs() const {
+    return {{y.get(), y.size() * sizeof(G)},
+            {mixed.get(), mixed.size() * sizeof(G)},
+            {stats.get(), stats.size() * sizeof(float)}};
+  }
+};
 
 }  // namespace qbl_test
