@@ -19,6 +19,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -55,10 +56,16 @@ std::pair<Tensor, std::optional<Tensor>> cast_parameters(ScalarType a, const Ten
 /// autograd keeps the float32 weight for the backward instead of a cast copy), weight and bias
 /// already of `a` as they are, anything else cast as F.linear casts it -- a computed float32
 /// weight too, so that autograd keeps the copy in `a`, not the float32 intermediate.
+/// Under tracing (torch.compile: a dispatch mode is set, or the weight is a fake or functional
+/// tensor) a float32 weight goes in as it is, leaf or not: AOTAutograd traces even parameters
+/// as non-leaves, and its partitioner, not autograd, chooses what the compiled graph keeps -- a
+/// parameter for nothing, a computed weight saved or recomputed from its inputs.
 std::pair<Tensor, std::optional<Tensor>> fused_parameters(ScalarType a, const Tensor& weight,
                                                           const std::optional<Tensor>& bias) {
   const ScalarType w = weight.scalar_type();
-  const bool as_they_are = w == a || (w == at::kFloat && weight.is_leaf());
+  const bool traced = c10::impl::TorchDispatchModeTLS::any_modes_set() ||
+                      weight.key_set().has(c10::DispatchKey::Python);
+  const bool as_they_are = w == a || (w == at::kFloat && (weight.is_leaf() || traced));
   if (as_they_are && (!given(bias) || bias->scalar_type() == w)) return {weight, bias};
   return cast_parameters(a, weight, bias);
 }

@@ -164,6 +164,34 @@ def test_autocast_keeps_the_float32_weight_not_a_cast_copy(keep_mixed):
         f"qbl keeps a {AC} copy of the weight: {[(tuple(t.shape), t.dtype) for t in q]}")
 
 
+def test_compiled_autocast_keeps_the_float32_weight_not_a_cast_copy():
+    """The same under torch.compile, where AOTAutograd traces the parameters as non-leaf tensors:
+    the operator still takes the float32 weight, so the compiled graph keeps the parameter itself
+    for the backward (its own storage, in float32) and no copy of it in the autocast dtype."""
+    torch._dynamo.reset()
+    layer = qbl.QuantBlendLinear(64, 48, device="cuda")
+    x = torch.randn(4, 33, 64, device="cuda", requires_grad=True)
+    l = torch.randn(4, 33, device="cuda", dtype=AC)
+    compiled = torch.compile(layer)
+    for _ in range(2):  # the second call runs the compiled graph as compiled
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast():
+            out = compiled(x, l)
+        out.float().sum().backward()
+    w = layer.weight
+    kept = [(tuple(t.shape), t.dtype) for t in saved]
+    assert any(t.dtype == torch.float32 and t.data_ptr() == w.data_ptr() for t in saved), (
+        f"the compiled graph keeps {kept}: not the float32 weight")
+    assert not any(t.dtype == AC and t.numel() == w.numel() for t in saved), (
+        f"the compiled graph keeps a {AC} copy of the weight: {kept}")
+    torch._dynamo.reset()
+
+
 def test_autocast_keeps_a_cast_copy_of_a_computed_float32_weight():
     """A computed float32 weight under autocast (not a leaf: a merged or parametrized weight) is
     cast as F.linear casts it, so that autograd keeps the copy in the autocast dtype, as eager
