@@ -6,7 +6,7 @@
 
 #include <qbl/detail/align.hpp>
 #include <qbl/detail/vec.cuh>
-#include <qbl/element_math.cuh>
+#include <qbl/element_math.hpp>
 
 #include <cuda_runtime.h>
 

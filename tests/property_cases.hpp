@@ -1,5 +1,5 @@
 // Random cases for the forward's property tests; the reference they are checked against, written
-// independently of qbl/element_math.cuh, is tests/reference.hpp. Host-only.
+// independently of qbl/element_math.hpp, is tests/reference.hpp. Host-only.
 #pragma once
 
 #include "reference.hpp"

@@ -1,4 +1,4 @@
-// CPU references written independently of qbl/element_math.cuh: the forward's `mixed` and the
+// CPU references written independently of qbl/element_math.hpp: the forward's `mixed` and the
 // backward's gradients, as PyTorch eager computes them op by op (each fp32 op done in double and
 // rounded to float -- exact for one +, -, * or / of two floats -- then rounded to the dtype by a
 // rounding that does not use CUDA's conversions), and float64 references for the products and

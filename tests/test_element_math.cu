@@ -1,6 +1,6 @@
-// qbl/element_math.cuh: the element arithmetic against the eager formulas, on the CPU (runs in CI)
+// qbl/element_math.hpp: the element arithmetic against the eager formulas, on the CPU (runs in CI)
 // and the same functions on the GPU against the CPU, bit for bit.
-#include <qbl/element_math.cuh>
+#include <qbl/element_math.hpp>
 
 #include "property_cases.hpp"
 #include "test_support.hpp"
@@ -43,6 +43,24 @@ TEST(ElementMath, ScaleFromAmaxClampsAndKeepsNaN) {
   int differ = 0;
   for (float a = 1.0f; a < 2.0f; a += 1.0f / 4096) differ += (a * qbl::inv_127) != (a / 127.0f);
   EXPECT_GT(differ, 0) << "no amax separates the multiply from the division";
+}
+
+TEST(ElementMath, CpuScaleDividesBy127) {
+  // eager on the CPU divides `amax / 127.0` (its CUDA kernel multiplies by fl(1/127)).
+  volatile float d = 127.0f;
+  int differ = 0;
+  for (float a = 1.0f; a < 2.0f; a += 1.0f / 4096) {
+    EXPECT_EQ(bits(qbl::scale_from_amax_cpu(a)), bits(a / d)) << a;
+    differ += qbl::scale_from_amax_cpu(a) != qbl::scale_from_amax(a);
+  }
+  EXPECT_GT(differ, 0) << "no amax separates the CPU's division from the CUDA multiply";
+  EXPECT_EQ(bits(qbl::scale_from_amax_cpu(0.0f)), bits(1e-8f / d));
+  EXPECT_TRUE(std::isnan(qbl::scale_from_amax_cpu(nan)));
+  EXPECT_EQ(qbl::scale_from_amax_cpu(inf), inf);
+  // 16-bit: the quotient rounded to the dtype; fp16's clamp bound rounds to 0 (scale 0).
+  EXPECT_EQ(bits(qbl::scale_from_amax_cpu<__nv_bfloat16>(3.0f)),
+            bits(__bfloat162float(__float2bfloat16_rn(3.0f / d))));
+  EXPECT_EQ(qbl::scale_from_amax_cpu<__half>(0.0f), 0.0f);
 }
 
 TEST(ElementMath, AbsBitsOrderIsAbsOrderWithNaNOnTop) {

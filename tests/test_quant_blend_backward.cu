@@ -1,4 +1,4 @@
-// qbl/quant_blend_backward.cuh and the backward's element math (qbl/element_math.cuh): the host
+// qbl/quant_blend_backward.cuh and the backward's element math (qbl/element_math.hpp): the host
 // functions against the independent reference of tests/reference.hpp (CPU, runs in CI), the
 // reference's own grad_logits bound against mutants of the formula (CPU), and the launchers
 // qbl::quant_blend_backward and qbl::bias_grad against the reference on the GPU, each in one suite

@@ -1,4 +1,4 @@
-// qbl/detail/quant_blend_math.cuh: the kernel's arithmetic against qbl/element_math.cuh.
+// qbl/detail/quant_blend_math.cuh: the kernel's arithmetic against qbl/element_math.hpp.
 //
 // The kernel finds codes without a division and does the 16-bit products and the sum on packed
 // instructions. Both are claims about every possible operand, so the GPU tests check every

@@ -7,7 +7,7 @@
 #pragma once
 
 #include <qbl/activation.cuh>
-#include <qbl/element_math.cuh>
+#include <qbl/element_math.hpp>
 #include <qbl/types.hpp>
 
 #include "reference.hpp"

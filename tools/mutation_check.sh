@@ -76,7 +76,7 @@ mutants=(
   "silu_backward_s|host|SiLU's backward takes 1 + h * s for 1 + h * (1 - s)"
 )
 
-em=include/qbl/element_math.cuh
+em=include/qbl/element_math.hpp
 m_round_half_away() {
   subst $em 'return rintf(v);' 'return roundf(v);'
   subst $em 'return std::nearbyint(v);' 'return std::round(v);'

@@ -36,7 +36,7 @@
 
 #include <qbl/detail/config.cuh>
 #include <qbl/detail/vec.cuh>
-#include <qbl/element_math.cuh>
+#include <qbl/element_math.hpp>
 #include <qbl/types.hpp>
 
 #include <cmath>

@@ -15,7 +15,7 @@
 #include <qbl/activation.cuh>
 #include <qbl/detail/config.cuh>
 #include <qbl/detail/vec.cuh>
-#include <qbl/element_math.cuh>
+#include <qbl/element_math.hpp>
 
 #include <cub/block/block_reduce.cuh>
 #include <cuda/functional>

@@ -9,7 +9,7 @@
 
 #include <qbl/activation.cuh>
 #include <qbl/amax.cuh>
-#include <qbl/element_math.cuh>
+#include <qbl/element_math.hpp>
 #include <qbl/error.hpp>
 #include <qbl/gemm.cuh>
 #include <qbl/layer_plans.cuh>

@@ -3,7 +3,7 @@
 // Stage 2 of the layer: for every token row r and feature c,
 //   mixed[r, c] = alpha_r * fake_quant(x[r, c], scale) + (1 - alpha_r) * x[r, c],
 //   alpha_r = sigmoid(logits[r]),  scale = clamp(amax, 1e-8) * fl(1/127),
-// each step rounded exactly as PyTorch eager rounds it (qbl/element_math.cuh).
+// each step rounded exactly as PyTorch eager rounds it (qbl/element_math.hpp).
 //
 //   qbl::amax(d_x, tokens * features, d_amax, stream);
 //   qbl::quant_blend(d_x, d_logits, d_amax, d_mixed, tokens, features, d_scale, stream);
@@ -26,7 +26,7 @@
 #include <qbl/amax.cuh>
 #include <qbl/detail/config.cuh>
 #include <qbl/detail/vec.cuh>
-#include <qbl/element_math.cuh>
+#include <qbl/element_math.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -7,7 +7,7 @@
 //   grad_logits[r] = grad_logit_value(grad_alpha_value(sum_c RN(g * x_q), sum_c RN(g * x)),
 //   alpha_r)
 // with alpha_r = sigmoid(logits[r]) and x_q = fake_quant(x, scale): the autograd of the reference
-// module, op by op as eager rounds it (qbl/element_math.cuh). grad_x is bit-identical to eager's.
+// module, op by op as eager rounds it (qbl/element_math.hpp). grad_x is bit-identical to eager's.
 // The two sums over the features are compensated (each lane's terms in Kahan's summation, the
 // lanes combined by exact two-sums in a fixed order): deterministic, and within a few units of
 // fp32's last place of the exact sums whatever the row length, where eager's plain fp32
@@ -27,7 +27,7 @@
 #include <qbl/activation.cuh>
 #include <qbl/detail/config.cuh>
 #include <qbl/detail/vec.cuh>
-#include <qbl/element_math.cuh>
+#include <qbl/element_math.hpp>
 #include <qbl/options.hpp>
 
 #include <cstddef>

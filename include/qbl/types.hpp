@@ -6,13 +6,15 @@
 //     if (matches<typename T::x_type, typename T::gemm_type, typename T::logits_type>()) ...
 //   });
 //
-// Host-only: a plain C++ translation unit can include it.
+// Host-only: a plain C++ translation unit can include it, without CUDA's headers (the lists name
+// CUDA's 16-bit types and need no definition of them).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <type_traits>
+
+// As cuda_bf16.h and cuda_fp16.h declare them.
+struct __nv_bfloat16;
+struct __half;
 
 namespace qbl {
 

@@ -6,8 +6,10 @@
 #error \
     "qbl: <qbl/*.cuh> headers hold device code: compile this file with nvcc (a .cu file, or \
 LANGUAGE CUDA in CMake). Host-only headers, for .cpp files: <qbl/error.hpp>, <qbl/options.hpp>, \
-<qbl/types.hpp>, <qbl/version.hpp>."
+<qbl/types.hpp>, <qbl/version.hpp>, <qbl/element_math.hpp>."
 #endif
+
+#include <qbl/detail/host_device.hpp>
 
 #include <cuda_runtime.h>
 
@@ -20,8 +22,6 @@ LANGUAGE CUDA in CMake). Host-only headers, for .cpp files: <qbl/error.hpp>, <qb
 #else
 #define QBL_KERNEL __global__ __attribute__((visibility("hidden")))
 #endif
-
-#define QBL_HOST_DEVICE __host__ __device__ __forceinline__
 
 /// In a function returning cudaError_t: return the error of `call` if it failed.
 #define QBL_CUDA_RETURN_IF_ERROR(call)                  \

@@ -5,7 +5,7 @@
 #include <qbl/detail/activation_table.cuh>
 #include <qbl/detail/quant_blend_math.cuh>
 #include <qbl/detail/vec.cuh>
-#include <qbl/element_math.cuh>
+#include <qbl/element_math.hpp>
 #include <qbl/quant_blend.cuh>
 
 #include <cub/block/block_reduce.cuh>

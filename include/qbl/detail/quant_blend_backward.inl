@@ -5,7 +5,7 @@
 #include <qbl/detail/activation_table.cuh>
 #include <qbl/detail/quant_blend_math.cuh>
 #include <qbl/detail/vec.cuh>
-#include <qbl/element_math.cuh>
+#include <qbl/element_math.hpp>
 #include <qbl/quant_blend_backward.cuh>
 
 #include <algorithm>
@@ -51,7 +51,7 @@ struct CompensatedSum {
 /// The backward's vector arithmetic for x of type X, g_mixed of type G, logits of type L and
 /// width N, given one row's gate and the launch's scale: `sums` adds a vector's RN_X(g * x_q)
 /// and RN_X(g * x) to the two compensated sums, element by element; `grad_x` is grad_x_from for
-/// each element. The general case runs qbl/element_math.cuh element by element (with the
+/// each element. The general case runs qbl/element_math.hpp element by element (with the
 /// division-free code of fake_quant_from_reciprocal); the products and sums are in X, the
 /// promoted type of every supported combination.
 template <typename X, typename G, typename L, int N, typename Enable = void>

@@ -1,4 +1,4 @@
-// The quant-blend arithmetic as the kernel runs it: the values of qbl/element_math.cuh, bit for
+// The quant-blend arithmetic as the kernel runs it: the values of qbl/element_math.hpp, bit for
 // bit, in fewer instructions. (Also the backward kernel's: qbl/detail/quant_blend_backward.inl.)
 //
 // Two changes of method, no change of value:
@@ -26,7 +26,7 @@
 
 #include <qbl/detail/config.cuh>
 #include <qbl/detail/vec.cuh>
-#include <qbl/element_math.cuh>
+#include <qbl/element_math.hpp>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -159,7 +159,7 @@ struct Pair<__half> {
 /// of type L, vector width N: the per-row gate (alpha and 1 - alpha, rounded to L, as the
 /// arithmetic wants them), the per-launch scale (in X), and `apply`, mixed for one vector: the
 /// blend in X (the promoted type of every supported combination), rounded once to G. The general
-/// case is qbl/element_math.cuh element by element.
+/// case is qbl/element_math.hpp element by element.
 template <typename X, typename G, typename L, int N, typename Enable = void>
 struct QuantBlendMath {
   struct Gate {

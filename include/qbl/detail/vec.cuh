@@ -3,6 +3,7 @@
 
 #include <qbl/detail/align.hpp>
 #include <qbl/detail/config.cuh>
+#include <qbl/detail/convert.hpp>
 #include <qbl/types.hpp>
 
 #include <cuda_bf16.h>
@@ -23,39 +24,6 @@ struct alignas(sizeof(T) * N) Vec {
 /// Elements of T per 16-byte access.
 template <typename T>
 inline constexpr int vec16 = static_cast<int>(16 / sizeof(T));
-
-/// Element <-> float through the named intrinsics, never the implicit conversions: PyTorch builds
-/// its extensions with __CUDA_NO_HALF_CONVERSIONS__ and __CUDA_NO_BFLOAT16_CONVERSIONS__, which
-/// remove those. from_float rounds to nearest even, as eager does when it stores an fp32 result.
-template <typename T>
-QBL_HOST_DEVICE float to_float(T v);
-template <typename T>
-QBL_HOST_DEVICE T from_float(float v);
-
-template <>
-QBL_HOST_DEVICE float to_float<float>(float v) {
-  return v;
-}
-template <>
-QBL_HOST_DEVICE float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-QBL_HOST_DEVICE float to_float<__half>(__half v) {
-  return __half2float(v);
-}
-template <>
-QBL_HOST_DEVICE float from_float<float>(float v) {
-  return v;
-}
-template <>
-QBL_HOST_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-QBL_HOST_DEVICE __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
 
 /// float, __nv_bfloat16 or __half.
 template <typename T>

@@ -1,13 +1,16 @@
-// qbl/element_math.cuh -- the per-element arithmetic, bit-for-bit what PyTorch eager computes.
+// qbl/element_math.hpp -- the per-element arithmetic, bit-for-bit what PyTorch eager computes.
 //
-// Every function here is __host__ __device__ so that the exact same expression is tested on the
-// CPU. The template parameter T is the tensor dtype (float, __nv_bfloat16, __half; float by
-// default). Eager computes each op in fp32 and rounds its result to T, op by op; so does every
-// function here (for T = float the rounding is the identity). Values of type T travel as the floats
-// that hold them. Each product, quotient and sum is rounded on its own (no fused multiply-add): on
-// the device through the __f*_rn intrinsics, which the compiler never contracts; on the host
-// through plain IEEE arithmetic (x86-64 does not contract unless FMA code generation and
-// -ffp-contract=fast are both enabled; qbl's own tests build with -ffp-contract=off).
+// Every function here is __host__ __device__ under nvcc and a plain inline function under a C++
+// compiler: the exact same expression is tested on the CPU and shared by host code (the PyTorch
+// package's CPU kernels), and this header needs none of CUDA's headers. The template parameter T
+// is the tensor dtype (float, __nv_bfloat16, __half -- or a host type with the conversions of
+// qbl/detail/convert.hpp; float by default). Eager computes each op in fp32 and rounds its result
+// to T, op by op; so does every function here (for T = float the rounding is the identity). Values
+// of type T travel as the floats that hold them. Each product, quotient and sum is rounded on its
+// own (no fused multiply-add): on the device through the __f*_rn intrinsics, which the compiler
+// never contracts; on the host through plain IEEE arithmetic, so host code must not let the
+// compiler contract it (build with -ffp-contract=off, as qbl's tests and the PyTorch package do:
+// GCC's default contracts wherever the target has FMA, which every aarch64 target has).
 //
 //   float scale = qbl::scale_from_amax(amax);                 // clamp(amax, 1e-8) * fl(1/127)
 //   float alpha = qbl::sigmoid(logit);                        // 1 / (1 + exp(-logit))
@@ -15,14 +18,17 @@
 //
 // The backward's element math follows the forward's (the autograd of the reference module, op by
 // op as eager rounds it): grad_x_value, grad_product, grad_alpha_value, grad_logit_value.
+//
+// Eager on the CPU computes the same ops with two differences, both measured against eager: its
+// `amax / 127.0` is a true division (scale_from_amax_cpu), where its CUDA kernel multiplies by
+// fl(1/127); and its sigmoid (and activations) round an element differently in the vectorized body
+// of a loop than in its scalar tail, so no element function reproduces them: the CPU kernels call
+// eager's own. Everything else here is eager's CPU arithmetic too.
 #pragma once
 
-#include <qbl/detail/config.cuh>
-#include <qbl/detail/vec.cuh>
+#include <qbl/detail/convert.hpp>
+#include <qbl/detail/host_device.hpp>
 #include <qbl/options.hpp>
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cmath>
 #include <cstdint>
@@ -132,14 +138,27 @@ QBL_HOST_DEVICE float clamp_keep_nan(float v, float lo, float hi) {
   return v < lo ? lo : (v > hi ? hi : v);
 }
 
-/// scale = clamp(amax, min=1e-8) * fl(1/127), each step rounded to T. NaN stays NaN, +Inf stays
-/// +Inf. The bound is 1e-8 rounded to T, as eager's clamp converts it: for __half that is 0, so an
-/// all-zero x gives scale 0 and then NaN everywhere, as in eager.
+/// clamp(amax, min=1e-8) with the bound rounded to T, as eager's clamp converts it: for __half
+/// that is 0, so an all-zero x gives scale 0 and then NaN everywhere, as in eager. NaN stays NaN.
+template <typename T = float>
+QBL_HOST_DEVICE float clamp_amax(float amax) {
+  const float bound = detail::round_to<T>(amax_floor);
+  return amax < bound ? bound : amax;
+}
+
+/// scale = clamp(amax, min=1e-8) * fl(1/127), each step rounded to T (eager's CUDA kernel). NaN
+/// stays NaN, +Inf stays +Inf.
 template <typename T = float>
 QBL_HOST_DEVICE float scale_from_amax(float amax) {
-  const float bound = detail::round_to<T>(amax_floor);
-  const float clamped = amax < bound ? bound : amax;
-  return detail::round_to<T>(detail::mul_rn(clamped, inv_127));
+  return detail::round_to<T>(detail::mul_rn(clamp_amax<T>(amax), inv_127));
+}
+
+/// scale as eager computes it on the CPU: clamp(amax, min=1e-8) / 127, a true division rounded to
+/// T (eager's CPU kernel divides by a scalar divisor where its CUDA kernel multiplies by the
+/// reciprocal, scale_from_amax). The two differ for some amax.
+template <typename T = float>
+QBL_HOST_DEVICE float scale_from_amax_cpu(float amax) {
+  return detail::round_to<T>(detail::div_rn(clamp_amax<T>(amax), qmax));
 }
 
 /// alpha = 1 / (1 + exp(-l)) with IEEE division, as torch.sigmoid: computed in fp32, rounded once
