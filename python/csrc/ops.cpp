@@ -1,6 +1,7 @@
-// The qbl operators' schema, and the module that registers them. Their kernels: CUDA and CPU
-// (cuda_kernels.cu: the computation, by qbl's plans), Autograd (autograd_kernel.cpp) and
-// AutocastCUDA (autocast_kernel.cpp).
+// The qbl operators' schema, and the module that registers them. Their kernels: CPU
+// (cpu/cpu_kernels.cpp), CUDA (cuda/cuda_kernels.cu, by qbl's plans; built where torch has CUDA),
+// Autograd (autograd/autograd_kernel.cpp) and AutocastCPU / AutocastCUDA
+// (autocast/autocast_kernel.cpp).
 
 #include "qbl_torch.h"
 
@@ -22,6 +23,12 @@ const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
                              .typed<BackwardSignature>();
   return op;
 }
+
+#if !defined(QBL_WITH_CUDA)
+// Built without CUDA, no layer is ever planned: the layer cache is empty.
+void clear_cache() {}
+std::tuple<std::vector<std::int64_t>, std::vector<std::string>> cache_info() { return {}; }
+#endif
 
 }  // namespace qbl_torch
 

@@ -8,23 +8,21 @@
 //                             gemm_dtype, the weight may be float32 (cast for dgrad inside)
 //   torch.ops.qbl.local_amax  [max |act(x)|, 0] of a shard (the sharded forward's first step)
 //
-// one file per concern, as torchvision's csrc/ops: the schema (ops.cpp), argument checks
-// (checks.cpp), the cached plans (layer_registry.cu, with each activation's plans compiled in
-// plans_<activation>.cu), the CUDA kernels (cuda_kernels.cu), the autograd formula
-// (autograd_kernel.cpp) and the autocast kernel (autocast_kernel.cpp). Their
-// fake implementations are registered from Python (qbl/_ops.py), so torch.compile traces them.
+// A kernel per dispatch key, in a folder per backend, as torchvision's csrc/ops: the schema
+// (ops.cpp) and the argument checks (checks.cpp) are shared; cpu/ holds the CPU kernels (eager's
+// CPU arithmetic, on qbl's element math), cuda/ the CUDA kernels (qbl's plans, cached per layer in
+// layer_registry.cu, each activation's plans compiled in plans_<activation>.cu), autograd/ the
+// autograd formula and autocast/ the AutocastCPU and AutocastCUDA kernels. Their fake
+// implementations are registered from Python (qbl/_ops.py), so torch.compile traces them.
 //
-// Host-only: the .cpp files compile without nvcc; the files that run qbl's plans include
-// layer_registry.h.
+// This header and everything outside cuda/ is plain C++ that needs none of CUDA's headers: a torch
+// without CUDA builds the package from them alone (setup.py), with QBL_WITH_CUDA undefined.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include <qbl/error.hpp>
 #include <qbl/types.hpp>
-
-#include <cuda_runtime_api.h>
 
 #include <array>
 #include <cstdint>
@@ -89,15 +87,21 @@ bool dispatch_layer_types(const Dtypes& d, F&& f) {
   return done;
 }
 
-/// Calls f(X{}) with the C++ type of x's dtype `x`, one of qbl::SupportedTypes' x types; returns
-/// false (calling nothing) for any other.
+/// A type as a value (CUDA's 16-bit types are incomplete outside cuda/: no object of them).
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+/// Calls f(TypeTag<X>{}) with the C++ type X of x's dtype `x`, one of qbl::SupportedTypes' x
+/// types; returns false (calling nothing) for any other.
 template <typename F>
 bool dispatch_x_type(ScalarType x, F&& f) {
   bool done = false;
   qbl::for_each_type(qbl::SupportedTypes{}, [&](auto t) {
     using X = typename decltype(t)::x_type;
     if (!done && DtypeOf<X>::value == x) {
-      f(X{});
+      f(TypeTag<X>{});
       done = true;
     }
   });
@@ -142,35 +146,19 @@ inline const char* activation_name(qbl::Activation a) {
 /// The activation named `name`; ValueError naming the choices for any other.
 qbl::Activation parse_activation(const char* op, c10::string_view name);
 
+/// Eager's activation of h in h's dtype (at::gelu, ...; h itself for none), and its backward as
+/// eager's autograd computes it from the gradient of y = eager_activation(h) (eager_ops.cpp).
+Tensor eager_activation(const Tensor& h, qbl::Activation act);
+Tensor eager_activation_backward(const Tensor& grad, const Tensor& h, const Tensor& y,
+                                 qbl::Activation act);
+
 /// Is an optional tensor argument given (present and defined)?
 inline bool given(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
 
-// ---- errors ------------------------------------------------------------------------------------
-
-// qbl's exceptions as torch's, so that Python sees ValueError, IndexError, torch.OutOfMemoryError
-// or RuntimeError with qbl's message.
-template <typename F>
-decltype(auto) translate(F&& f) {
-  try {
-    return f();
-  } catch (const qbl::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  } catch (const qbl::out_of_range& e) {
-    TORCH_CHECK_INDEX(false, e.what());
-  } catch (const qbl::out_of_memory& e) {
-    (void)cudaGetLastError();
-    TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
-  } catch (const qbl::cuda_error& e) {
-    (void)cudaGetLastError();
-    TORCH_CHECK(false, e.what());
-  } catch (const qbl::cublas_error& e) {
-    TORCH_CHECK(false, e.what());
-  } catch (const qbl::logic_error& e) {
-    TORCH_CHECK(false, e.what());
-  }
-}
-
 // ---- argument checks (checks.cpp) --------------------------------------------------------------
+// Each raises torch's error type (TypeError for a dtype, ValueError for an unknown activation,
+// RuntimeError otherwise) naming the operator, before any output is allocated: the CPU and CUDA
+// kernels make the same checks, through check_forward and check_backward.
 
 std::string shape_str(c10::IntArrayRef sizes);
 
@@ -178,30 +166,46 @@ std::string shape_str(c10::IntArrayRef sizes);
 struct Problem {
   std::int64_t tokens, in_features, out_features;
   std::vector<std::int64_t> lead;  // x.shape[:-1]
+  /// x.shape[:-1] + [out_features]: out's and grad_out's shape.
+  std::vector<std::int64_t> out_sizes() const;
 };
 
-/// x dense on a CUDA device with features last, logits x.shape[:-1], weight [out, in], all on x's
-/// device.
-Problem check_problem(const char* op, const Tensor& x, const Tensor& logits, const Tensor& weight);
-/// `t` dense on x's device.
-void check_dense(const char* op, const Tensor& t, const char* name, const Tensor& x);
-/// `t` of dtype `want`, which is `whose`'s.
-void check_dtype(const char* op, const Tensor& t, const char* name, ScalarType want,
-                 const char* whose);
-/// `d` one of qbl::SupportedTypes.
-void check_supported(const char* op, const Dtypes& d);
-/// The forward's dtypes: one, or (gemm_dtype given, as the autocast kernel gives it) the GEMM's,
-/// with x and logits as they come and weight and bias as check_parameter_dtypes takes them.
-Dtypes forward_dtypes(const char* op, const Tensor& x, const Tensor& logits, const Tensor& weight,
-                      const std::optional<Tensor>& bias, std::optional<ScalarType> gemm_dtype);
-/// With a GEMM dtype given: weight of that dtype or float32 (autocast's master weight, which the
-/// operators cast to it), bias of weight's dtype.
-void check_parameter_dtypes(const char* op, const Tensor& weight, const std::optional<Tensor>& bias,
-                            ScalarType gemm);
-/// bias dense on x's device, [out_features].
-void check_bias(const char* op, const Tensor& bias, const Tensor& x, std::int64_t out_features);
-/// stats a contiguous float32 [2] tensor on x's device; `what` says whose it must be.
-void check_stats(const char* op, const Tensor& stats, const Tensor& x, const char* what);
+/// A forward's checked arguments.
+struct ForwardProblem {
+  Problem p;
+  Dtypes dtypes;
+  bool from_stats;  // stats given: amax is stats[0]
+  bool has_bias;
+};
+
+/// A backward's checked arguments.
+struct BackwardProblem {
+  Problem p;
+  Dtypes dtypes;
+  ScalarType weight;  // the weight's dtype (float32 with a 16-bit gemm_dtype: cast inside)
+  bool kept;          // mixed given (else recomputed where grad_weight needs it)
+  bool want_bias;     // output_mask[3] and has_bias
+};
+
+/// Everything a forward's arguments must be: x dense with features last, logits x.shape[:-1],
+/// weight [out, in], bias [out] or None, stats a float32 [2] or None, all on x's device; dtypes
+/// one, or (gemm_dtype given, as the autocast kernels give it) weight and bias of the GEMM's dtype
+/// or float32 -- one of qbl::SupportedTypes.
+ForwardProblem check_forward(const char* op, const Tensor& x, const Tensor& logits,
+                             const Tensor& weight, const std::optional<Tensor>& bias,
+                             const std::optional<Tensor>& stats,
+                             std::optional<ScalarType> gemm_dtype);
+/// Everything a backward's arguments must be: the forward's, grad_out of out's shape and the GEMM's
+/// dtype, mixed of x's shape and the GEMM's dtype or None, stats the forward's.
+BackwardProblem check_backward(const char* op, const Tensor& grad_out, const Tensor& x,
+                               const Tensor& logits, const Tensor& weight,
+                               const std::optional<Tensor>& mixed, const Tensor& stats,
+                               bool has_bias, std::array<bool, 4> mask,
+                               std::optional<ScalarType> gemm_dtype);
+/// x of local_amax: dense, of one of qbl::SupportedTypes' x dtypes.
+void check_local_amax(const char* op, const Tensor& x);
+/// The operators' "not computed" output: an empty [0] tensor of these options.
+inline Tensor no_output(const at::TensorOptions& o) { return at::empty({0}, o); }
 
 // ---- the operators (ops.cpp) -------------------------------------------------------------------
 
@@ -225,10 +229,10 @@ const c10::TypedOperatorHandle<BackwardSignature>& backward_op();
 bool records(const Tensor& x, const Tensor& logits, const Tensor& weight,
              const std::optional<Tensor>& bias);
 /// True on this thread while the autograd kernel runs a forward that autograd records (below that
-/// kernel grad mode is off, so the CUDA kernel cannot tell by itself).
+/// kernel grad mode is off, so the CUDA kernel cannot tell by itself whether to plan a backward).
 bool recorded_by_autograd();
 
-// ---- the layer cache (layer_registry.cu) -------------------------------------------------------
+// ---- the layer cache (cuda/layer_registry.cu; empty without CUDA) -------------------------------
 
 /// Synchronizes the devices that hold layers, then frees every cached layer and side stream.
 void clear_cache();

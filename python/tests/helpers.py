@@ -1,13 +1,14 @@
-"""Shared helpers of the qbl tests: imports that skip cleanly, input makers, the eager reference
-computed op by op, float64 references, bit-exact comparisons and the tolerance checks.
+"""Shared helpers of the qbl tests: input makers, the eager reference computed op by op, float64
+references, bit-exact comparisons and the tolerance checks. Every input maker takes the device
+(the `device` fixture of conftest.py: the CPU, or CUDA).
 
-The references here never use qbl: the eager forward is examples/pytorch/reference.py's arithmetic, op by op,
-in the tensors' dtype, and the float64 references are plain float64 products and sums.
+The references here never use qbl: the eager forward is examples/pytorch/reference.py's arithmetic,
+op by op, in the tensors' dtype and on their device, and the float64 references are plain float64
+products and sums.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import sys
@@ -15,25 +16,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import pytest
+import torch
+import torch.nn.functional as F
 
-REQUIRE_GPU = os.environ.get("QBL_REQUIRE_GPU") == "1"
-
-
-def import_or_skip(name: str):
-    """import `name`; if that fails, skip the importing test module (or raise under
-    QBL_REQUIRE_GPU=1, so that the failure is reported as an error)."""
-    try:
-        return importlib.import_module(name)
-    except Exception as e:  # noqa: BLE001 -- an extension can fail with OSError etc.
-        if REQUIRE_GPU:
-            raise
-        pytest.skip(f"cannot import {name}: {type(e).__name__}: {e}", allow_module_level=True)
-
-
-torch = import_or_skip("torch")
-qbl = import_or_skip("qbl")
-
-import torch.nn.functional as F  # noqa: E402
+import qbl
 
 # examples/pytorch/reference.py: the reference Model / ModelSTE, one copy for the examples and the
 # tests. Put on the path here, not only in conftest.py, so that a subprocess importing helpers
@@ -73,20 +59,17 @@ _BITS = {torch.float64: (torch.int64, 0xFFFFFFFFFFFFFFFF, 16),
          torch.float16: (torch.int16, 0xFFFF, 4)}
 
 
-def device() -> "torch.device":
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 # ---- inputs -------------------------------------------------------------------------------------------
 
 
-def make_inputs(lead, in_features, out_features, dtype, bias=True, seed=0, logit_std=2.0):
-    """x [*lead, in], logits lead, weight [out, in] (std 1/sqrt(in)), bias [out] or None; drawn in
-    float32 from a seeded generator, then rounded to `dtype`."""
-    gen = torch.Generator(device=device()).manual_seed(seed)
+def make_inputs(lead, in_features, out_features, dtype, device, bias=True, seed=0, logit_std=2.0):
+    """x [*lead, in], logits lead, weight [out, in] (std 1/sqrt(in)), bias [out] or None on
+    `device`; drawn in float32 from a seeded CPU generator (the same values on every device), then
+    rounded to `dtype`."""
+    gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape, std=1.0):
-        return (torch.randn(*shape, generator=gen, device=device()) * std).to(dtype)
+        return (torch.randn(*shape, generator=gen) * std).to(dtype).to(device)
 
     x = randn(*lead, in_features)
     logits = randn(*lead, std=logit_std)
@@ -95,21 +78,21 @@ def make_inputs(lead, in_features, out_features, dtype, bias=True, seed=0, logit
     return x, logits, weight, b
 
 
-def make_grad_out(shape, dtype, seed=1):
-    """A gradient of the output with signed zeros planted: -0.0 at every 13th element, +0.0 at
-    every 17th (eager's autograd turns some -0.0 gradients into +0.0; qbl must do the same)."""
-    gen = torch.Generator(device=device()).manual_seed(seed)
-    g = torch.randn(*shape, generator=gen, device=device()).to(dtype)
+def make_grad_out(shape, dtype, device, seed=1):
+    """A gradient of the output on `device` with signed zeros planted: -0.0 at every 13th element,
+    +0.0 at every 17th (eager's autograd turns some -0.0 gradients into +0.0; qbl must do the
+    same). The same values on every device."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(*shape, generator=gen).to(dtype).to(device)
     flat = g.view(-1)
     flat[0::13] = -0.0
     flat[5::17] = 0.0
     return g
 
 
-def identity_layer_params(d, dtype):
+def identity_layer_params(d, dtype, device):
     """weight = I (so that g_mixed = grad_out @ I = grad_out exactly) and bias = 0."""
-    return (torch.eye(d, device=device(), dtype=dtype),
-            torch.zeros(d, device=device(), dtype=dtype))
+    return (torch.eye(d, device=device, dtype=dtype), torch.zeros(d, device=device, dtype=dtype))
 
 
 # ---- the eager reference --------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-// The forward's kernel for the AutocastCUDA key (xformers' swiglu_packedw.cpp is the model).
+// The forward's kernels for the AutocastCPU and AutocastCUDA keys (xformers' swiglu_packedw.cpp is
+// the model), one template for both devices: eager's autocast follows the same lists there.
 //
-// Under torch.autocast("cuda", dtype=A), eager computes the reference module as
+// Under torch.autocast(device, dtype=A), eager computes the reference module as
 //   alpha in the logits' dtype L; x_q and the blend in P = promote(X, L); F.linear casting mixed,
 //   weight and bias to A (weight and bias through autocast's cast cache); out in A,
 // the casts recorded by autograd (../reference/autocast.md, checked against eager in the tests).
@@ -15,7 +16,7 @@
 // that it too is what eager computes.
 // (torch.library.register_autocast would cast every input to A: not eager's semantics here.)
 
-#include "qbl_torch.h"
+#include "../qbl_torch.h"
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -43,12 +44,14 @@ class FakeQuantSTE : public torch::autograd::Function<FakeQuantSTE> {
   }
 };
 
-/// weight and bias cast to the autocast dtype `a` as F.linear casts them (autocast's cast cache).
+/// weight and bias cast to the autocast dtype `a` as F.linear casts them on `device` (autocast's
+/// cast cache).
 std::pair<Tensor, std::optional<Tensor>> cast_parameters(ScalarType a, const Tensor& weight,
-                                                         const std::optional<Tensor>& bias) {
-  Tensor w = at::autocast::cached_cast(a, weight, c10::DeviceType::CUDA);
+                                                         const std::optional<Tensor>& bias,
+                                                         c10::DeviceType device) {
+  Tensor w = at::autocast::cached_cast(a, weight, device);
   if (!given(bias)) return {w, std::nullopt};
-  return {w, at::autocast::cached_cast(a, *bias, c10::DeviceType::CUDA)};
+  return {w, at::autocast::cached_cast(a, *bias, device)};
 }
 
 /// The parameters as the fused operator takes them with gemm_dtype `a`: a float32 leaf weight
@@ -61,30 +64,14 @@ std::pair<Tensor, std::optional<Tensor>> cast_parameters(ScalarType a, const Ten
 /// as non-leaves, and its partitioner, not autograd, chooses what the compiled graph keeps -- a
 /// parameter for nothing, a computed weight saved or recomputed from its inputs.
 std::pair<Tensor, std::optional<Tensor>> fused_parameters(ScalarType a, const Tensor& weight,
-                                                          const std::optional<Tensor>& bias) {
+                                                          const std::optional<Tensor>& bias,
+                                                          c10::DeviceType device) {
   const ScalarType w = weight.scalar_type();
   const bool traced = c10::impl::TorchDispatchModeTLS::any_modes_set() ||
                       weight.key_set().has(c10::DispatchKey::Python);
   const bool as_they_are = w == a || (w == at::kFloat && (weight.is_leaf() || traced));
   if (as_they_are && (!given(bias) || bias->scalar_type() == w)) return {weight, bias};
-  return cast_parameters(a, weight, bias);
-}
-
-/// Eager's activation of x, in x's dtype (no activation is on autocast's lists).
-Tensor activate(const Tensor& x, qbl::Activation act) {
-  switch (act) {
-    case qbl::Activation::gelu:
-      return at::gelu(x);
-    case qbl::Activation::gelu_tanh:
-      return at::gelu(x, "tanh");
-    case qbl::Activation::relu:
-      return at::relu(x);
-    case qbl::Activation::silu:
-      return at::silu(x);
-    case qbl::Activation::identity:
-      break;
-  }
-  return x;
+  return cast_parameters(a, weight, bias, device);
 }
 
 /// Eager's activation, then the reference module's forward op by op (autograd records every op):
@@ -92,8 +79,9 @@ Tensor activate(const Tensor& x, qbl::Activation act) {
 /// reads it.
 std::tuple<Tensor, Tensor, Tensor> reference_under_autocast(
     const Tensor& h, const Tensor& logits, const Tensor& weight, const std::optional<Tensor>& bias,
-    const std::optional<Tensor>& stats, qbl::Activation act, bool straight_through, ScalarType a) {
-  const Tensor x = activate(h, act);
+    const std::optional<Tensor>& stats, qbl::Activation act, bool straight_through, ScalarType a,
+    c10::DeviceType device) {
+  const Tensor x = eager_activation(h, act);
   const Tensor alpha = at::sigmoid(logits).unsqueeze(-1);
   const Tensor raw =
       given(stats) ? stats->detach().select(0, 0).to(x.scalar_type()) : x.detach().abs().max();
@@ -101,20 +89,21 @@ std::tuple<Tensor, Tensor, Tensor> reference_under_autocast(
   const Tensor x_q = straight_through ? FakeQuantSTE::apply(x, scale)
                                       : at::clamp(at::round(x / scale), -127, 127) * scale;
   const Tensor mixed = alpha * x_q + (1.0 - alpha) * x;
-  const auto [w, b] = cast_parameters(a, weight, bias);
+  const auto [w, b] = cast_parameters(a, weight, bias, device);
   const Tensor out = at::linear(mixed.to(a), w, b);
   // [amax before the clamp, scale], as the fused path's stats.
   const Tensor stats_out = at::stack({raw.to(at::kFloat), scale.detach().to(at::kFloat)});
   return {out, mixed.detach(), stats_out};
 }
 
+template <c10::DeviceType Device, c10::DispatchKey Key>
 std::tuple<Tensor, Tensor, Tensor> forward_autocast(
     const Tensor& x, const Tensor& logits, const Tensor& weight, const std::optional<Tensor>& bias,
     const std::optional<Tensor>& stats, c10::string_view activation, bool keep_mixed,
     bool straight_through, bool allow_tf32, std::optional<ScalarType> gemm_dtype) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA);
-  const ScalarType a = at::autocast::get_autocast_dtype(at::kCUDA);
-  if (gemm_dtype.has_value() || !x.is_cuda() ||
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
+  const ScalarType a = at::autocast::get_autocast_dtype(Device);
+  if (gemm_dtype.has_value() || x.device().type() != Device ||
       !fused_under_autocast(x.scalar_type(), logits.scalar_type(), a)) {
     if (gemm_dtype.has_value() || !x.is_floating_point() || !logits.is_floating_point())
       // Explicit GEMM types (or nothing autocast would touch): as called.
@@ -122,10 +111,10 @@ std::tuple<Tensor, Tensor, Tensor> forward_autocast(
                                straight_through, allow_tf32, gemm_dtype);
     return reference_under_autocast(x, logits, weight, bias, stats,
                                     parse_activation("qbl.forward", activation), straight_through,
-                                    a);
+                                    a, Device);
   }
   // The activation runs inside, in x's dtype, as eager's does under autocast.
-  const auto [w, b] = fused_parameters(a, weight, bias);
+  const auto [w, b] = fused_parameters(a, weight, bias, Device);
   const ScalarType g = x.scalar_type() == at::kFloat ? a : x.scalar_type();
   return forward_op().call(x, logits, w, b, stats, activation, keep_mixed, straight_through,
                            allow_tf32, g);
@@ -134,4 +123,12 @@ std::tuple<Tensor, Tensor, Tensor> forward_autocast(
 }  // namespace
 }  // namespace qbl_torch
 
-TORCH_LIBRARY_IMPL(qbl, AutocastCUDA, m) { m.impl("forward", &qbl_torch::forward_autocast); }
+TORCH_LIBRARY_IMPL(qbl, AutocastCPU, m) {
+  m.impl("forward",
+         &qbl_torch::forward_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
+}
+
+TORCH_LIBRARY_IMPL(qbl, AutocastCUDA, m) {
+  m.impl("forward",
+         &qbl_torch::forward_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
+}

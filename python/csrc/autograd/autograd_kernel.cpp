@@ -6,7 +6,7 @@
 // the backward recomputes mixed from x and the stats. A given stats (the sharded forward's reduced
 // amax) is detached, as the amax of the reference module.
 
-#include "qbl_torch.h"
+#include "../qbl_torch.h"
 
 #include <torch/autograd.h>
 #include <torch/library.h>

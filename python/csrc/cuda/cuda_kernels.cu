@@ -1,6 +1,5 @@
 // The operators' CUDA kernels: check the arguments, find the cached layer, dispatch on its element
-// types, run qbl's plan on the current stream. The CPU key reaches the same kernels, whose first
-// check says that x must be a CUDA tensor (rather than the dispatcher's "no kernel for CPU").
+// types, run qbl's plan on the current stream.
 
 #include "layer_registry.h"
 
@@ -68,16 +67,13 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& x_in, const Tensor
   constexpr const char* op = "qbl.forward";
   (void)keep_mixed, (void)straight_through;  // the forward is the same; autograd reads them
   const qbl::Activation act = parse_activation(op, activation);
-  const Problem p = check_problem(op, x_in, logits_in, weight_in);
-  const Dtypes dtypes = forward_dtypes(op, x_in, logits_in, weight_in, bias_in, gemm_dtype);
-  const bool from_stats = given(stats_in);
-  if (from_stats) check_stats(op, *stats_in, x_in, "local_amax()");
-  const bool has_bias = given(bias_in);
-  if (has_bias) check_bias(op, *bias_in, x_in, p.out_features);
-  std::vector<std::int64_t> out_sizes = p.lead;
-  out_sizes.push_back(p.out_features);
+  const ForwardProblem f =
+      check_forward(op, x_in, logits_in, weight_in, bias_in, stats_in, gemm_dtype);
+  const Problem& p = f.p;
+  const Dtypes& dtypes = f.dtypes;
+  const bool from_stats = f.from_stats, has_bias = f.has_bias;
   const auto g_opts = x_in.options().dtype(dtypes.gemm);
-  Tensor out = at::empty(out_sizes, g_opts);
+  Tensor out = at::empty(p.out_sizes(), g_opts);
   Tensor mixed = at::empty(x_in.sizes(), g_opts);
   Tensor stats = from_stats ? stats_in->clone() : at::empty({2}, x_in.options().dtype(at::kFloat));
   if (p.tokens == 0) return {out, mixed, from_stats ? stats : stats.zero_()};
@@ -110,11 +106,10 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& x_in, const Tensor
 Tensor local_amax_cuda(const Tensor& x_in, c10::string_view activation) {
   constexpr const char* op = "qbl.local_amax";
   const qbl::Activation act = parse_activation(op, activation);
-  TORCH_CHECK(x_in.layout() == c10::kStrided, op, ": x must be a dense tensor");
-  TORCH_CHECK(x_in.is_cuda(), op, ": x must be a CUDA tensor, got one on ", x_in.device().str());
+  check_local_amax(op, x_in);
   Tensor stats;
-  const bool supported_x = dispatch_x_type(x_in.scalar_type(), [&](auto x_type) {
-    using X = decltype(x_type);
+  dispatch_x_type(x_in.scalar_type(), [&](auto x_type) {
+    using X = typename decltype(x_type)::type;
     const c10::cuda::CUDAGuard guard(x_in.device());
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
     stats = at::empty({2}, x_in.options().dtype(at::kFloat));
@@ -127,8 +122,6 @@ Tensor local_amax_cuda(const Tensor& x_in, c10::string_view activation) {
         C10_CUDA_CHECK((qbl::amax<X, Act>(const_data<X>(x), x.numel(), d_stats, stream)));
     });
   });
-  TORCH_CHECK_TYPE(supported_x, op, ": unsupported dtype ", c10::toString(x_in.scalar_type()),
-                   "; supported: ", supported_x_dtypes());
   return stats;
 }
 
@@ -139,41 +132,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
     std::optional<ScalarType> gemm_dtype) {
   constexpr const char* op = "qbl.backward";
   const qbl::Activation act = parse_activation(op, activation);
-  const Problem p = check_problem(op, x_in, logits_in, weight_in);
-  const ScalarType w_dtype = weight_in.scalar_type();
-  const Dtypes dtypes{x_in.scalar_type(), gemm_dtype.value_or(w_dtype), logits_in.scalar_type()};
-  if (gemm_dtype.has_value()) check_parameter_dtypes(op, weight_in, std::nullopt, dtypes.gemm);
-  check_supported(op, dtypes);
-  check_dense(op, grad_out_in, "grad_out", x_in);
-  const char* gemm_name = gemm_dtype.has_value() ? "gemm_dtype" : "weight";
-  check_dtype(op, grad_out_in, "grad_out", dtypes.gemm, gemm_name);
-  const bool kept = given(mixed_in);
-  if (kept) {
-    check_dense(op, *mixed_in, "mixed", x_in);
-    check_dtype(op, *mixed_in, "mixed", dtypes.gemm, gemm_name);
-    TORCH_CHECK(mixed_in->sizes() == x_in.sizes(), op, ": mixed must have x's shape ",
-                shape_str(x_in.sizes()), " or be None (recomputed), got ",
-                shape_str(mixed_in->sizes()));
-  }
-  std::vector<std::int64_t> out_sizes = p.lead;
-  out_sizes.push_back(p.out_features);
-  TORCH_CHECK(grad_out_in.sizes() == c10::IntArrayRef(out_sizes), op, ": grad_out must have shape ",
-              shape_str(out_sizes), ", got ", shape_str(grad_out_in.sizes()));
-  check_stats(op, stats, x_in, "the forward");
-  const bool want_bias = mask[3] && has_bias;
+  const BackwardProblem bp = check_backward(op, grad_out_in, x_in, logits_in, weight_in, mixed_in,
+                                            stats, has_bias, mask, gemm_dtype);
+  const Problem& p = bp.p;
+  const Dtypes& dtypes = bp.dtypes;
+  const ScalarType w_dtype = bp.weight;
+  const bool kept = bp.kept, want_bias = bp.want_bias;
   const auto x_opts = x_in.options();
   const auto g_opts = x_opts.dtype(dtypes.gemm), l_opts = x_opts.dtype(dtypes.logits);
   const auto w_opts = x_opts.dtype(w_dtype);
-  auto none = [&](const at::TensorOptions& o) { return at::empty({0}, o); };
   // The parameter gradients come back in the weight's dtype; the GEMM and the column sum write
   // them in the GEMM's, cast at the end where the two differ. With no token they are sums of
   // nothing: zeros.
   auto param = [&](bool want, c10::IntArrayRef sizes) {
-    if (!want) return none(w_opts);
+    if (!want) return no_output(w_opts);
     return p.tokens == 0 ? at::zeros(sizes, w_opts) : at::empty(sizes, g_opts);
   };
-  Tensor gx = mask[0] ? at::empty(x_in.sizes(), x_opts) : none(x_opts);
-  Tensor gl = mask[1] ? at::empty(logits_in.sizes(), l_opts) : none(l_opts);
+  Tensor gx = mask[0] ? at::empty(x_in.sizes(), x_opts) : no_output(x_opts);
+  Tensor gl = mask[1] ? at::empty(logits_in.sizes(), l_opts) : no_output(l_opts);
   Tensor gw = param(mask[2], weight_in.sizes());
   Tensor gb = param(want_bias, {p.out_features});
   if (p.tokens == 0 || !(mask[0] || mask[1] || mask[2] || want_bias)) return {gx, gl, gw, gb};
@@ -239,12 +215,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
 }  // namespace qbl_torch
 
 TORCH_LIBRARY_IMPL(qbl, CUDA, m) {
-  m.impl("forward", &qbl_torch::forward_cuda);
-  m.impl("backward", &qbl_torch::backward_cuda);
-  m.impl("local_amax", &qbl_torch::local_amax_cuda);
-}
-
-TORCH_LIBRARY_IMPL(qbl, CPU, m) {
   m.impl("forward", &qbl_torch::forward_cuda);
   m.impl("backward", &qbl_torch::backward_cuda);
   m.impl("local_amax", &qbl_torch::local_amax_cuda);

@@ -10,15 +10,41 @@
 // so that the kernels of the 5 activations x 7 type combinations build in parallel.
 #pragma once
 
-#include "qbl_torch.h"
+#include "../qbl_torch.h"
 
+#include <qbl/error.hpp>
 #include <qbl/layer_plans.cuh>
+
+#include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <memory>
 #include <tuple>
 
 namespace qbl_torch {
+
+// qbl's exceptions as torch's, so that Python sees ValueError, IndexError, torch.OutOfMemoryError
+// or RuntimeError with qbl's message.
+template <typename F>
+decltype(auto) translate(F&& f) {
+  try {
+    return f();
+  } catch (const qbl::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  } catch (const qbl::out_of_range& e) {
+    TORCH_CHECK_INDEX(false, e.what());
+  } catch (const qbl::out_of_memory& e) {
+    (void)cudaGetLastError();
+    TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+  } catch (const qbl::cuda_error& e) {
+    (void)cudaGetLastError();
+    TORCH_CHECK(false, e.what());
+  } catch (const qbl::cublas_error& e) {
+    TORCH_CHECK(false, e.what());
+  } catch (const qbl::logic_error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
 
 /// What a cached layer is planned for.
 struct LayerKey {

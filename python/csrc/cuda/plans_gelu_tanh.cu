@@ -1,5 +1,5 @@
-// The layer plans with activation qbl::GeluTanh, for every element type (layer_plans.cuh).
-#include "layer_plans.cuh"
+// The layer plans with activation qbl::GeluTanh, for every element type (typed_plans.cuh).
+#include "typed_plans.cuh"
 
 namespace qbl_torch {
 template std::unique_ptr<LayerPlans> make_plans<qbl::GeluTanh>(const Dtypes&, std::int64_t,
