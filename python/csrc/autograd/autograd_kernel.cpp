@@ -4,7 +4,8 @@
 // given: under autocast the float32 parameter, which the backward casts again, not a cast copy),
 // the stats and -- only with keep_mixed and where grad_weight will read it -- mixed; without it
 // the backward recomputes mixed from x and the stats. A given stats (the sharded forward's reduced
-// amax) is detached, as the amax of the reference module.
+// amax) is detached, as the amax of the reference module; local_amax's result is not
+// differentiable either.
 
 #include "../qbl_torch.h"
 
@@ -103,6 +104,16 @@ std::tuple<Tensor, Tensor, Tensor> forward_autograd(
   return {r[0], r[1], r[2]};
 }
 
+/// local_amax's autograd kernel: its result is non-differentiable, as the reference module's
+/// detached amax (no graph is recorded, and the result does not require grad).
+Tensor local_amax_autograd(const Tensor& x, c10::string_view activation) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("qbl::local_amax", "")
+                             .typed<Tensor(const Tensor&, c10::string_view)>();
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(x, activation);
+}
+
 }  // namespace
 
 bool records(const Tensor& x, const Tensor& logits, const Tensor& weight,
@@ -116,4 +127,7 @@ bool recorded_by_autograd() { return recording; }
 
 }  // namespace qbl_torch
 
-TORCH_LIBRARY_IMPL(qbl, Autograd, m) { m.impl("forward", &qbl_torch::forward_autograd); }
+TORCH_LIBRARY_IMPL(qbl, Autograd, m) {
+  m.impl("forward", &qbl_torch::forward_autograd);
+  m.impl("local_amax", &qbl_torch::local_amax_autograd);
+}
