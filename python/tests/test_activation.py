@@ -9,6 +9,11 @@ With logits = -1e4, alpha = sigmoid(logits) is exactly 0, so mixed = 0 * x_q + 1
 act(h) itself, bit for bit; and with weight = I, grad_x = grad_out exactly, so h's gradient is
 the activation's backward of grad_out itself: the tests below see act's and act's backward's bits
 directly, and with random logits the whole blend on top of them.
+
+Every test runs on the CPU and on CUDA (the `device` fixture), against eager on the same device.
+On the CPU, whose kernel calls eager's own activation, its backward, GEMMs and bias sum on the
+same tensors, the layer is also eager's unfused activation + reference module bit for bit in out,
+grad_weight and grad_bias.
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ DTYPES16 = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16,
 WIDTH = 256
 
 
-def _every_value(dtype):
+def _every_value(dtype, device):
     """Every finite value of a 16-bit dtype, as [rows, WIDTH] (the count is a multiple of 256)."""
-    bits = torch.arange(-32768, 32768, dtype=torch.int32, device=H.device()).to(torch.int16)
+    bits = torch.arange(-32768, 32768, dtype=torch.int32, device=device).to(torch.int16)
     h = bits.view(dtype)
     h = h[torch.isfinite(h)]
     assert h.numel() % WIDTH == 0
@@ -48,18 +53,48 @@ def _qbl_forward(act, h, logits, weight, bias=None):
     return out, mixed, stats
 
 
+def _without_overflowing_activation(act, h):
+    """h with 0 where eager's act(h) is +-Inf for a finite h -- on the CPU, eager's F.gelu of
+    |h| >= 2^127 (it forms h * (1 + erf(h / sqrt 2)) before halving, which overflows; CUDA's
+    F.gelu and the other activations stay finite there). One such element makes amax Inf, so
+    x_q and mixed are NaN everywhere, in eager's mixed as in qbl's: to see act's bits and the
+    blend's, the tests feed those elements as 0 (the other elements keep their positions, so
+    their bits are the same act call's). h itself where nothing overflows (CUDA)."""
+    overflow = torch.isinf(ACTIVATIONS[act](h)) & torch.isfinite(h)
+    if not bool(overflow.any()):
+        return h
+    assert bool((h[overflow].abs() >= 2.0 ** 127).all()), (
+        f"eager's {act} overflows below 2^127 at h = {h[overflow & (h.abs() < 2.0 ** 127)][:4]}")
+    return h.masked_fill(overflow, 0.0)
+
+
+def _randn(shape, gen, device, std=1.0, dtype=torch.float32):
+    """Normal values from a seeded CPU generator (the same on every device), on `device`."""
+    return (torch.randn(shape, generator=gen) * std).to(dtype).to(device)
+
+
 @pytest.mark.parametrize("dtype", DTYPES16)
 @pytest.mark.parametrize("act", ACT_PARAMS)
-def test_every_16bit_value_forward(act, dtype):
-    """act(h) for every finite value of the dtype, bit for bit eager's (alpha = 0: mixed is
-    act(h)); then the blend with random logits bit for bit the reference module's on eager's
-    activation output, and stats too."""
-    h = _every_value(dtype)
-    w, _ = H.identity_layer_params(WIDTH, dtype)
+def test_every_16bit_value_forward(act, dtype, device):
+    """act(h) for every finite value of the dtype, bit for bit eager's on the same device (alpha
+    = 0: mixed is act(h)); then the blend with random logits bit for bit the reference module's
+    on eager's activation output, and stats too (on the CPU out as well: eager's F.linear). Where
+    eager's act overflows to Inf (the CPU's gelu of bf16's values >= 2^127), mixed and stats of
+    every value are eager's (NaN everywhere), and the checks of act's bits and of the blend feed
+    0 in place of those values (_without_overflowing_activation)."""
+    h = _every_value(dtype, device)
+    w, _ = H.identity_layer_params(WIDTH, dtype, device)
     closed = torch.full(h.shape[:-1], -1e4, dtype=dtype, device=h.device)
-    _, mixed, _ = _qbl_forward(act, h, closed, w)
+    _, mixed, stats = _qbl_forward(act, h, closed, w)
     e = _eager_layer(act, h, closed, w)
     H.assert_bits_equal(mixed, e.mixed, f"mixed of {act}(h) with alpha = 0 vs eager's")
+    H.assert_bits_equal(stats, H.eager_stats(e), f"stats of {act}(h) with alpha = 0 vs eager's")
+    finite_h = _without_overflowing_activation(act, h)
+    if finite_h is not h:
+        h = finite_h
+        _, mixed, _ = _qbl_forward(act, h, closed, w)
+        e = _eager_layer(act, h, closed, w)
+        H.assert_bits_equal(mixed, e.mixed, f"mixed of {act}(h), no overflow, alpha = 0")
     # With alpha = 0, eager's mixed is act(h) itself wherever x_q is finite (in fp16 the top
     # codes' 127 * scale overflows to Inf near 65504, and 0 * Inf is NaN in eager's mixed too):
     # there the comparison above is one of act(h)'s bits.
@@ -67,45 +102,50 @@ def test_every_16bit_value_forward(act, dtype):
     finite_q = torch.isfinite(e.x_q)
     assert finite_q.float().mean().item() > 0.99, "x_q overflowed almost everywhere"
     H.assert_bits_equal(mixed[finite_q], act_h[finite_q], f"{act}(h) (as mixed, alpha = 0)")
-    gen = torch.Generator(device=h.device).manual_seed(3)
-    logits = (torch.randn(h.shape[:-1], generator=gen, device=h.device) * 2).to(dtype)
-    _, mixed, stats = _qbl_forward(act, h, logits, w)
+    logits = _randn(h.shape[:-1], torch.Generator().manual_seed(3), device, 2.0, dtype)
+    out, mixed, stats = _qbl_forward(act, h, logits, w)
     e = _eager_layer(act, h, logits, w)
     H.assert_bits_equal(mixed, e.mixed, f"mixed of {act}(h) vs eager's")
     H.assert_bits_equal(stats, H.eager_stats(e), f"stats of {act}(h) vs eager's")
+    if device.type == "cpu":
+        H.assert_bits_equal(out, e.out, f"out of {act}(h) vs eager's F.linear (CPU)")
 
 
 @pytest.mark.parametrize("dtype", DTYPES16)
 @pytest.mark.parametrize("act", ACT_PARAMS)
-def test_every_16bit_value_backward(act, dtype):
+def test_every_16bit_value_backward(act, dtype, device):
     """The gradient of h for every finite value of the dtype: eager's activation backward of
-    grad_x, bit for bit -- with alpha = 0 (grad_x = grad_out) and with random logits."""
-    h = _every_value(dtype)
-    w, _ = H.identity_layer_params(WIDTH, dtype)
-    g = H.make_grad_out(h.shape, dtype, seed=5)
-    gen = torch.Generator(device=h.device).manual_seed(4)
+    grad_x on the same device, bit for bit -- with alpha = 0 (grad_x = grad_out) and with random
+    logits (on the CPU out too: eager's F.linear). Every value, those whose act overflows
+    included: the CPU's gelu of bf16's values >= 2^127 is Inf, so amax is Inf and mixed and
+    grad_logits are NaN everywhere, in eager as in qbl, while the gradient of h stays finite."""
+    h = _every_value(dtype, device)
+    w, _ = H.identity_layer_params(WIDTH, dtype, device)
+    g = H.make_grad_out(h.shape, dtype, device, seed=5)
+    gen = torch.Generator().manual_seed(4)
     for name, logits in (
             ("alpha = 0", torch.full(h.shape[:-1], -1e4, dtype=dtype, device=h.device)),
-            ("random logits", (torch.randn(h.shape[:-1], generator=gen,
-                                           device=h.device) * 2).to(dtype))):
+            ("random logits", _randn(h.shape[:-1], gen, device, 2.0, dtype))):
         q = H.run_autograd(lambda x, l, w_, b: qbl.quant_blend_linear(x, l, w_, b, activation=act),
                            h, logits, w, None, g, want=(True, True, False, False))
         e = H.run_autograd(lambda x, l, w_, b: _eager_layer(act, x, l, w_, b).out,
                            h, logits, w, None, g, want=(True, True, False, False))
         H.assert_bits_equal(q.x, e.x, f"grad of h through {act}, {name}")
         H.assert_same_nonfinite(q.logits, e.logits, f"grad_logits through {act}, {name}")
+        if device.type == "cpu":
+            H.assert_bits_equal(q.out, e.out, f"out through {act}, {name} (CPU)")
 
 
 @pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
 @pytest.mark.parametrize("act", ACT_PARAMS)
-def test_nonfinite_inputs_as_eager(act, dtype):
+def test_nonfinite_inputs_as_eager(act, dtype, device):
     """An Inf or NaN among h: mixed, stats and the gradient of h as eager's (NaN where eager's is
     NaN), each special value on its own and -0.0 among them."""
-    w, _ = H.identity_layer_params(WIDTH, dtype)
-    gen = torch.Generator(device=H.device()).manual_seed(6)
-    base = (torch.randn(3, WIDTH, generator=gen, device=H.device()) * 3).to(dtype)
-    logits = (torch.randn(3, generator=gen, device=H.device()) * 2).to(dtype)
-    g = H.make_grad_out(base.shape, dtype, seed=7)
+    w, _ = H.identity_layer_params(WIDTH, dtype, device)
+    gen = torch.Generator().manual_seed(6)
+    base = _randn((3, WIDTH), gen, device, 3.0, dtype)
+    logits = _randn((3,), gen, device, 2.0, dtype)
+    g = H.make_grad_out(base.shape, dtype, device, seed=7)
     for special in (float("inf"), float("-inf"), float("nan"), -0.0):
         h = base.clone()
         h[1, 7] = special
@@ -122,23 +162,28 @@ def test_nonfinite_inputs_as_eager(act, dtype):
 
 
 @pytest.mark.parametrize("act", ACT_PARAMS)
-def test_fp32_special_and_random_values(act):
+def test_fp32_special_and_random_values(act, device):
     """float32: h random over several scales with special finite values planted; act(h) (alpha
-    = 0) and the gradient of h (weight = I) bit for bit eager's."""
+    = 0) and the gradient of h (weight = I) bit for bit eager's on the same device. Where eager's
+    act overflows to Inf (the CPU's gelu of +-3e38), mixed is eager's (NaN everywhere), and
+    act's bits are checked with 0 in place of those values (_without_overflowing_activation)."""
     dtype = torch.float32
-    gen = torch.Generator(device=H.device()).manual_seed(8)
-    rows = [torch.randn(64, WIDTH, generator=gen, device=H.device()) * s
-            for s in (1e-3, 1.0, 3.0, 30.0)]
-    h = torch.cat(rows)
+    gen = torch.Generator().manual_seed(8)
+    h = torch.cat([torch.randn(64, WIDTH, generator=gen) * s for s in (1e-3, 1.0, 3.0, 30.0)])
     specials = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 5.0, -5.0, 80.0, -80.0,
-                             1e4, -1e4, 3e38, -3e38], device=H.device())
+                             1e4, -1e4, 3e38, -3e38])
     h.view(-1)[:specials.numel()] = specials
-    w, _ = H.identity_layer_params(WIDTH, dtype)
+    h = h.to(device)
+    w, _ = H.identity_layer_params(WIDTH, dtype, device)
     closed = torch.full(h.shape[:-1], -1e4, dtype=dtype, device=h.device)
     _, mixed, _ = _qbl_forward(act, h, closed, w)
-    H.assert_bits_equal(mixed, ACTIVATIONS[act](h), f"{act}(h) float32 (as mixed, alpha = 0)")
     H.assert_bits_equal(mixed, _eager_layer(act, h, closed, w).mixed, "mixed vs eager's")
-    g = H.make_grad_out(h.shape, dtype, seed=9)
+    finite_h = _without_overflowing_activation(act, h)
+    if finite_h is not h:
+        _, mixed, _ = _qbl_forward(act, finite_h, closed, w)
+    H.assert_bits_equal(mixed, ACTIVATIONS[act](finite_h),
+                        f"{act}(h) float32 (as mixed, alpha = 0)")
+    g = H.make_grad_out(h.shape, dtype, device, seed=9)
     q = H.run_autograd(lambda x, l, w_, b: qbl.quant_blend_linear(x, l, w_, b, activation=act),
                        h, closed, w, None, g, want=(True, False, False, False))
     e = H.run_autograd(lambda x, l, w_, b: _eager_layer(act, x, l, w_, b).out,
@@ -149,11 +194,11 @@ def test_fp32_special_and_random_values(act):
 @pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
 @pytest.mark.parametrize("act", [pytest.param(None, id="none")] + ACT_PARAMS)
 @pytest.mark.parametrize("lead,n_in,n_out,bias", H.SMALL_SHAPES)
-def test_recomputed_mixed_gives_the_kept_gradients(lead, n_in, n_out, bias, act, dtype):
+def test_recomputed_mixed_gives_the_kept_gradients(lead, n_in, n_out, bias, act, dtype, device):
     """keep_mixed=False (the backward recomputes mixed from h and the stats) against
     keep_mixed=True: every gradient bit for bit, and the forward unchanged."""
-    x, l, w, b = H.make_inputs(lead, n_in, n_out, dtype, bias=bias, seed=10)
-    g = H.make_grad_out((*lead, n_out), dtype, seed=11)
+    x, l, w, b = H.make_inputs(lead, n_in, n_out, dtype, device, bias=bias, seed=10)
+    g = H.make_grad_out((*lead, n_out), dtype, device, seed=11)
 
     def fn(keep):
         return lambda x_, l_, w_, b_: qbl.quant_blend_linear(x_, l_, w_, b_, activation=act,
@@ -172,11 +217,11 @@ def test_recomputed_mixed_gives_the_kept_gradients(lead, n_in, n_out, bias, act,
 
 
 @pytest.mark.parametrize("act", ACT_PARAMS)
-def test_activation_against_the_unfused_layer(act):
+def test_activation_against_the_unfused_layer(act, device):
     """The fused activation equals F.<act> followed by qbl's plain layer: out and every gradient
     (float32, fresh random inputs)."""
-    x, l, w, b = H.make_inputs((4, 33), 96, 40, torch.float32, seed=12)
-    g = H.make_grad_out((4, 33, 40), torch.float32, seed=13)
+    x, l, w, b = H.make_inputs((4, 33), 96, 40, torch.float32, device, seed=12)
+    g = H.make_grad_out((4, 33, 40), torch.float32, device, seed=13)
     fused = H.run_autograd(lambda x_, l_, w_, b_: qbl.quant_blend_linear(x_, l_, w_, b_,
                                                                           activation=act),
                            x, l, w, b, g)
@@ -187,13 +232,51 @@ def test_activation_against_the_unfused_layer(act):
         H.assert_bits_equal(getattr(fused, name), getattr(plain, name), name)
 
 
-def test_module_and_errors():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("act", ACT_PARAMS)
+@pytest.mark.parametrize("lead,n_in,n_out,bias", H.SMALL_SHAPES)
+def test_cpu_fused_activation_is_eagers_unfused_layer(lead, n_in, n_out, bias, act, dtype):
+    """On the CPU the fused layer is eager's F.<act> followed by the reference module, bit for
+    bit: mixed and out of the forward, and through autograd out, the gradient of the
+    activation's input, grad_weight and grad_bias (eager's activation, its backward, F.linear,
+    mm and sum, called by the CPU kernel on the same tensors as eager calls them); grad_logits,
+    summed in double by the kernel, within twice eager's error of float64 plus one rounding. In
+    both quantizer-gradient modes, with kept and with recomputed mixed."""
+    device = torch.device("cpu")
+    x, l, w, b = H.make_inputs(lead, n_in, n_out, dtype, device, bias=bias, seed=17)
+    g = H.make_grad_out((*lead, n_out), dtype, device, seed=18)
+    for ste in (False, True):
+        out, mixed, stats = torch.ops.qbl.forward(x, l, w, b, activation=act, straight_through=ste)
+        with torch.no_grad():
+            fwd = _eager_layer(act, x, l, w, b, straight_through=ste)
+        H.assert_bits_equal(mixed, fwd.mixed, f"mixed, ste {ste}")
+        H.assert_bits_equal(stats, H.eager_stats(fwd), f"stats, ste {ste}")
+        H.assert_bits_equal(out, fwd.out, f"out, ste {ste}")
+        e = H.run_autograd(lambda x_, l_, w_, b_: _eager_layer(act, x_, l_, w_, b_, ste).out,
+                           x, l, w, b, g)
+        r = H.ref64_grads(ACTIVATIONS[act](x), l, w, fwd, g, straight_through=ste)
+        for keep in (True, False):
+            q = H.run_autograd(
+                lambda x_, l_, w_, b_: qbl.quant_blend_linear(
+                    x_, l_, w_, b_, straight_through=ste, activation=act, keep_mixed=keep),
+                x, l, w, b, g)
+            what = f"ste {ste}, keep_mixed {keep}: "
+            for name in ("out", "x", "weight", "bias"):
+                if getattr(e, name) is None:
+                    assert getattr(q, name) is None, f"{what}grad_{name} should be None"
+                    continue
+                H.assert_bits_equal(getattr(q, name), getattr(e, name),
+                                    f"{what}{name} vs eager's unfused layer")
+            H.assert_norm_within_eager(q.logits, e.logits, r.logits, dtype, f"{what}grad_logits")
+
+
+def test_module_and_errors(device):
     """The module carries the activation and keep_mixed; an unknown activation is a ValueError
     naming the choices, raised before anything runs."""
-    layer = qbl.QuantBlendLinear(64, 32, activation="silu", keep_mixed=False, device=H.device())
+    layer = qbl.QuantBlendLinear(64, 32, activation="silu", keep_mixed=False, device=device)
     assert layer.activation == "silu" and layer.keep_mixed is False
     assert "activation=silu" in repr(layer) and "keep_mixed=False" in repr(layer)
-    x, l, _, _ = H.make_inputs((5,), 64, 32, torch.float32, seed=14)
+    x, l, _, _ = H.make_inputs((5,), 64, 32, torch.float32, device, seed=14)
     H.assert_bits_equal(layer(x, l),
                         qbl.quant_blend_linear(x, l, layer.weight, layer.bias, activation="silu"),
                         "module vs functional")
@@ -204,21 +287,24 @@ def test_module_and_errors():
 
 
 @pytest.mark.parametrize("act", ACT_PARAMS)
-def test_autocast_runs_the_activation_in_its_input_dtype(act):
-    """Under autocast(bf16), eager runs the activation in its input's dtype (float32 here) and
-    then the reference module under autocast; qbl computes the same: mixed's bits (the GEMM
-    operand) and out within the GEMM's tolerance, gradients' dtypes as eager's."""
-    x, l, w, b = H.make_inputs((3, 40), 128, 64, torch.float32, seed=15)
+def test_autocast_runs_the_activation_in_its_input_dtype(act, device):
+    """Under autocast(bf16) (CUDA's, or the CPU's), eager runs the activation in its input's dtype
+    (float32 here) and then the reference module under autocast; qbl computes the same: mixed's
+    bits (the GEMM operand), out in bf16, gradients' dtypes as eager's and the gradient of h
+    bit for bit -- on the CPU out, grad_weight and grad_bias bit for bit eager's too."""
+    x, l, w, b = H.make_inputs((3, 40), 128, 64, torch.float32, device, seed=15)
     l = l.to(torch.bfloat16)  # a gate Linear's output under autocast
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         out, mixed, _ = torch.ops.qbl.forward(x, l, w, b, activation=act)
         e = H.eager_forward(ACTIVATIONS[act](x), l, w, b)
     H.assert_bits_equal(mixed, e.mixed.to(torch.bfloat16), "mixed under autocast")
     assert out.dtype == e.out.dtype == torch.bfloat16
-    g = H.make_grad_out(out.shape, torch.bfloat16, seed=16)
+    if device.type == "cpu":
+        H.assert_bits_equal(out, e.out, "out under autocast vs eager's (CPU)")
+    g = H.make_grad_out(out.shape, torch.bfloat16, device, seed=16)
 
     def run(fn):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             return H.run_autograd(fn, x, l, w, b, g)
 
     q = run(lambda x_, l_, w_, b_: qbl.quant_blend_linear(x_, l_, w_, b_, activation=act))
@@ -226,3 +312,7 @@ def test_autocast_runs_the_activation_in_its_input_dtype(act):
     for name in ("x", "logits", "weight", "bias"):
         assert getattr(q, name).dtype == getattr(r, name).dtype, name
     H.assert_bits_equal(q.x, r.x, "grad of h under autocast")
+    if device.type == "cpu":
+        for name in ("out", "weight", "bias"):
+            H.assert_bits_equal(getattr(q, name), getattr(r, name),
+                                f"{name} under autocast vs eager autograd's (CPU)")

@@ -1,10 +1,11 @@
-"""The package's API around the math: bad input, tensors on two devices, the module and its state
-dict (with nn.Linear and the examples' ModelNew), the layer cache, planning during CUDA graph
-capture, and the current CUDA stream."""
+"""The package's API around the math: bad input (on every device: a clear error, nothing written),
+tensors on two devices, the module and its state dict (with nn.Linear and the examples' ModelNew),
+the layer cache (CUDA's; the CPU kernels keep none), planning during CUDA graph capture, and the
+current CUDA stream."""
 
 from __future__ import annotations
 
-import helpers as H  # first: skips this module cleanly when torch or qbl cannot be imported
+import helpers as H
 
 import importlib.util
 import json
@@ -23,12 +24,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_NEW = os.path.normpath(os.path.join(HERE, "..", "..", "examples", "pytorch", "model_new.py"))
 
 
+def _sync(device):
+    """On CUDA, wait for the device, so that an asynchronous error surfaces here."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _check_still_works(x, l, w, b, what):
-    """After a raise: no CUDA error left behind, and a normal call still gives eager's mixed."""
-    torch.cuda.synchronize()
+    """After a raise: no CUDA error left behind (on CUDA), and a normal call still gives eager's
+    mixed."""
+    _sync(x.device)
     _, mixed, _ = torch.ops.qbl.forward(x, l, w, b)
     H.assert_bits_equal(mixed, H.eager_forward(x, l, w, b).mixed, f"after '{what}': mixed")
-    torch.cuda.synchronize()
+    _sync(x.device)
 
 
 def _snapshot(args):
@@ -41,18 +49,37 @@ def _assert_unchanged(args, before, what):
             H.assert_bits_equal(a, s, f"'{what}': argument {i} changed by the failed call")
 
 
+def _assert_forward_raises_cleanly(args, exc, pattern, what, **fn_kwargs):
+    """torch.ops.qbl.forward(*args) raises `exc` matching `pattern`, its arguments unchanged; then
+    qbl.quant_blend_linear(*args, **fn_kwargs) on leaf copies that require grad and already hold a
+    .grad raises the same, leaving the leaves and their .grad untouched (no gradient written)."""
+    before = _snapshot(args)
+    with pytest.raises(exc, match=pattern):
+        torch.ops.qbl.forward(*args)
+    _assert_unchanged(args, before, what)
+    leaves = [a.detach().clone().requires_grad_() if a.is_floating_point() else a for a in args]
+    gen = torch.Generator().manual_seed(1)
+    for a in leaves:
+        if a.requires_grad:
+            a.grad = torch.randn(a.shape, generator=gen).to(a.dtype).to(a.device)
+    leaves_before = _snapshot(leaves)
+    grads_before = [a.grad.clone() if a.requires_grad else None for a in leaves]
+    with pytest.raises(exc, match=pattern):
+        qbl.quant_blend_linear(*leaves, **fn_kwargs)
+    _assert_unchanged([a.detach() for a in leaves], leaves_before, f"{what} (functional form)")
+    for i, (a, g) in enumerate(zip(leaves, grads_before)):
+        if g is not None:
+            H.assert_bits_equal(a.grad, g, f"'{what}' (functional form): .grad of argument {i} "
+                                           f"changed by the failed call")
+
+
 # name -> (args of torch.ops.qbl.forward from the good (x, logits, weight, bias), exception type,
-# message pattern)
+# message pattern). Every case raises on every device, before anything is computed.
 FORWARD_CASES = {
-    # No CUDA tensor at all: the CPU registration reaches the same checks.
-    "all tensors on CPU": (lambda x, l, w, b: (x.cpu(), l.cpu(), w.cpu(), b.cpu()), RuntimeError,
-                           "x must be a CUDA tensor"),
-    "x on CPU": (lambda x, l, w, b: (x.cpu(), l, w, b), RuntimeError, "x must be a CUDA tensor"),
-    "logits on CPU": (lambda x, l, w, b: (x, l.cpu(), w, b), RuntimeError, "logits is on cpu"),
-    "weight on CPU": (lambda x, l, w, b: (x, l, w.cpu(), b), RuntimeError, "weight is on cpu"),
-    "bias on CPU": (lambda x, l, w, b: (x, l, w, b.cpu()), RuntimeError, "bias is on cpu"),
     "float64": (lambda x, l, w, b: (x.double(), l.double(), w.double(), b.double()), TypeError,
                 "unsupported dtype"),
+    "x of another dtype": (lambda x, l, w, b: (x.bfloat16(), l, w, b), TypeError,
+                           "logits has dtype Float but x is BFloat16"),
     "logits of another dtype": (lambda x, l, w, b: (x, l.half(), w, b), TypeError,
                                 "logits has dtype"),
     "weight of another dtype": (lambda x, l, w, b: (x, l, w.bfloat16(), b), TypeError,
@@ -80,47 +107,148 @@ FORWARD_CASES = {
                           "must be positive"),
 }
 
+_ONE_DEVICE = "all tensors must be on one device"
+
+# The same for tensors on two devices: the CPU and CUDA (x's device named in the message).
+MIXED_DEVICE_CASES = {
+    "x on CPU": (lambda x, l, w, b: (x.cpu(), l, w, b), RuntimeError,
+                 rf"logits is on cuda:\d+ but x is on cpu; {_ONE_DEVICE}"),
+    "logits on CPU": (lambda x, l, w, b: (x, l.cpu(), w, b), RuntimeError,
+                      rf"logits is on cpu but x is on cuda:\d+; {_ONE_DEVICE}"),
+    "weight on CPU": (lambda x, l, w, b: (x, l, w.cpu(), b), RuntimeError,
+                      rf"weight is on cpu but x is on cuda:\d+; {_ONE_DEVICE}"),
+    "bias on CPU": (lambda x, l, w, b: (x, l, w, b.cpu()), RuntimeError,
+                    rf"bias is on cpu but x is on cuda:\d+; {_ONE_DEVICE}"),
+    "only x on CUDA": (lambda x, l, w, b: (x, l.cpu(), w.cpu(), b.cpu()), RuntimeError,
+                       rf"logits is on cpu but x is on cuda:\d+; {_ONE_DEVICE}"),
+}
+
 
 @pytest.mark.parametrize("case", list(FORWARD_CASES))
-def test_bad_forward_input_raises_and_leaves_no_trace(case):
+def test_bad_forward_input_raises_and_leaves_no_trace(case, device):
     """Each bad call raises its error type with a clear message, through the operator and through
-    the differentiable functional form; the inputs are unchanged; a normal call works after it."""
-    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, seed=40)
+    the differentiable functional form; the inputs and the .grad they already hold are unchanged;
+    a normal call works after it."""
+    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, device, seed=40)
     make, exc, pattern = FORWARD_CASES[case]
-    args = make(x, l, w, b)
-    before = _snapshot(args)
-    with pytest.raises(exc, match=pattern):
-        torch.ops.qbl.forward(*args)
-    _assert_unchanged(args, before, case)
-    grad_args = [a.detach().clone().requires_grad_() if a.is_floating_point() else a for a in args]
-    with pytest.raises(exc, match=pattern):
-        qbl.quant_blend_linear(*grad_args)
+    _assert_forward_raises_cleanly(make(x, l, w, b), exc, pattern, case)
     _check_still_works(x, l, w, b, case)
 
 
-def test_bad_backward_input_raises_and_leaves_no_trace():
-    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, seed=41)
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(MIXED_DEVICE_CASES))
+def test_forward_tensors_on_cpu_and_cuda_raise_and_leave_no_trace(case, cuda_device):
+    """A tensor on the CPU beside CUDA tensors raises RuntimeError naming both devices (whichever
+    kernel the dispatcher picks), through the operator and the functional form, with nothing
+    written; a normal call works after it."""
+    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, cuda_device, seed=40)
+    make, exc, pattern = MIXED_DEVICE_CASES[case]
+    _assert_forward_raises_cleanly(make(x, l, w, b), exc, pattern, case)
+    _check_still_works(x, l, w, b, case)
+
+
+_STATS_RULE = r"stats must be local_amax\(\)'s float32 \[2\] tensor on x's device"
+
+
+def _assert_bad_stats_raise(x, l, w, b, stats, what):
+    """The sharded forward's second step given a bad stats tensor raises, through the operator
+    and through the functional form's amax_reduce, the stats unchanged."""
+    before = stats.clone()
+    with pytest.raises(RuntimeError, match=_STATS_RULE):
+        torch.ops.qbl.forward(x, l, w, b, stats)
+    H.assert_bits_equal(stats, before, f"'{what}': stats changed by the failed call")
+    with pytest.raises(RuntimeError, match=_STATS_RULE):
+        qbl.quant_blend_linear(x, l, w, b, amax_reduce=lambda _: stats)
+    _check_still_works(x, l, w, b, what)
+
+
+def test_bad_stats_of_the_sharded_forward_raise(device):
+    """stats given to the forward (local_amax's, reduced over the shards) must be a contiguous
+    float32 [2] tensor on x's device (the kernels read it through a pointer): float64, three
+    elements or a strided view raise RuntimeError with that rule, nothing written."""
+    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, device, seed=39)
+    stats = torch.ops.qbl.local_amax(x, "none")
+    for what, bad in (("float64 stats", stats.double()),
+                      ("stats of 3 elements", torch.cat([stats, stats[:1]])),
+                      ("strided stats", torch.stack([stats, stats], 1).reshape(-1)[::2])):
+        _assert_bad_stats_raise(x, l, w, b, bad, what)
+
+
+@pytest.mark.cuda
+def test_stats_on_the_cpu_with_cuda_tensors_raise(cuda_device):
+    """The sharded forward's stats on the CPU with x on CUDA raises RuntimeError, nothing
+    written."""
+    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, cuda_device, seed=39)
+    _assert_bad_stats_raise(x, l, w, b, torch.ops.qbl.local_amax(x, "none").cpu(),
+                            "stats on the CPU")
+
+
+def test_unknown_activation_raises(device):
+    """An activation name that is none of none, gelu, gelu_tanh, relu, silu: ValueError naming it
+    from the module's constructor, the functional form, and each operator (forward, backward,
+    local_amax), with nothing written; a normal call works after it."""
+    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, device, seed=48)
+    with pytest.raises(ValueError, match="activation must be one of .* got 'tanh'"):
+        qbl.QuantBlendLinear(32, 16, activation="tanh", device=device)
+    with pytest.raises(ValueError, match="activation must be one of .* got 'tanh'"):
+        qbl.quant_blend_linear(x, l, w, b, activation="tanh")
+    args = (x, l, w, b)
+    before = _snapshot(args)
+    with pytest.raises(ValueError, match="qbl.forward: unknown activation 'tanh'"):
+        torch.ops.qbl.forward(x, l, w, b, activation="tanh")
+    with pytest.raises(ValueError, match="qbl.local_amax: unknown activation 'tanh'"):
+        torch.ops.qbl.local_amax(x, "tanh")
     _, mixed, stats = torch.ops.qbl.forward(x, l, w, b)
-    g = H.make_grad_out((4, 6, 16), torch.float32)
+    g = H.make_grad_out((4, 6, 16), torch.float32, device)
+    bargs = (g, x, l, w, mixed, stats)
+    bbefore = _snapshot(bargs)
+    with pytest.raises(ValueError, match="qbl.backward: unknown activation 'tanh'"):
+        torch.ops.qbl.backward(*bargs, True, [True] * 4, activation="tanh")
+    _assert_unchanged(args, before, "unknown activation")
+    _assert_unchanged(bargs, bbefore, "unknown activation (backward)")
+    _check_still_works(x, l, w, b, "unknown activation")
+
+
+def _backward_cases(x, l, w, mixed, stats, g):
     mask = [True] * 4
-    cases = {
+    return {
         "grad_out shape": ((g[..., :-1].contiguous(), x, l, w, mixed, stats, True, mask),
                            RuntimeError, "grad_out must have shape"),
         "grad_out dtype": ((g.double(), x, l, w, mixed, stats, True, mask), TypeError,
                            "grad_out has dtype"),
+        "mixed dtype": ((g, x, l, w, mixed.bfloat16(), stats, True, mask), TypeError,
+                        "mixed has dtype"),
         "mixed shape": ((g, x, l, w, mixed.reshape(-1, 32), stats, True, mask), RuntimeError,
                         "mixed must have x's shape"),
         "stats float64": ((g, x, l, w, mixed, stats.double(), True, mask), RuntimeError,
                           "stats must be"),
         "stats of 3 elements": ((g, x, l, w, mixed, torch.zeros(3, device=x.device), True,
                                  mask), RuntimeError, "stats must be"),
-        "stats on CPU": ((g, x, l, w, mixed, stats.cpu(), True, mask), RuntimeError,
-                         "stats must be"),
+        # (the kernels read stats through a pointer: a strided one must be refused)
+        "strided stats": ((g, x, l, w, mixed, torch.zeros(4, device=x.device)[::2], True, mask),
+                          RuntimeError, "stats must be"),
         "weight in_features mismatch": ((g, x, l, w[:, :-1].contiguous(), mixed, stats, True,
                                          mask), RuntimeError, "weight must be"),
         "float64": ((g.double(), x.double(), l.double(), w.double(), mixed.double(), stats, True,
                      mask), TypeError, "unsupported dtype"),
     }
+
+
+def _backward_mixed_device_cases(x, l, w, mixed, stats, g):
+    mask = [True] * 4
+    return {
+        "stats on CPU": ((g, x, l, w, mixed, stats.cpu(), True, mask), RuntimeError,
+                         "stats must be"),
+        "grad_out on CPU": ((g.cpu(), x, l, w, mixed, stats, True, mask), RuntimeError,
+                            rf"grad_out is on cpu but x is on cuda:\d+; {_ONE_DEVICE}"),
+        "mixed on CPU": ((g, x, l, w, mixed.cpu(), stats, True, mask), RuntimeError,
+                         rf"mixed is on cpu but x is on cuda:\d+; {_ONE_DEVICE}"),
+        "x on CPU": ((g, x.cpu(), l, w, mixed, stats, True, mask), RuntimeError,
+                     rf"logits is on cuda:\d+ but x is on cpu; {_ONE_DEVICE}"),
+    }
+
+
+def _check_backward_cases(cases, x, l, w, b):
     for name, (args, exc, pattern) in cases.items():
         before = _snapshot(args)
         with pytest.raises(exc, match=pattern):
@@ -129,19 +257,40 @@ def test_bad_backward_input_raises_and_leaves_no_trace():
         _check_still_works(x, l, w, b, name)
 
 
+def test_bad_backward_input_raises_and_leaves_no_trace(device):
+    """Each bad call of torch.ops.qbl.backward raises its error type with a clear message, its
+    arguments unchanged; a normal call works after it."""
+    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, device, seed=41)
+    _, mixed, stats = torch.ops.qbl.forward(x, l, w, b)
+    g = H.make_grad_out((4, 6, 16), torch.float32, device)
+    _check_backward_cases(_backward_cases(x, l, w, mixed, stats, g), x, l, w, b)
+
+
+@pytest.mark.cuda
+def test_bad_backward_tensors_on_cpu_and_cuda(cuda_device):
+    """The backward with one tensor on the CPU beside CUDA ones raises RuntimeError (naming both
+    devices where it is a tensor argument's, the stats' rule for stats), arguments unchanged."""
+    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, cuda_device, seed=41)
+    _, mixed, stats = torch.ops.qbl.forward(x, l, w, b)
+    g = H.make_grad_out((4, 6, 16), torch.float32, cuda_device)
+    _check_backward_cases(_backward_mixed_device_cases(x, l, w, mixed, stats, g), x, l, w, b)
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_two_devices():
+def test_two_devices(cuda_device):
     """A tensor on another GPU than x raises; all on the second GPU (while the first is current)
     runs there, forward and backward, as eager does."""
-    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, seed=42)
+    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, cuda_device, seed=42)
     other = torch.device("cuda", 1)
     for name, args in {"logits": (x, l.to(other), w, b), "weight": (x, l, w.to(other), b),
                        "bias": (x, l, w, b.to(other))}.items():
-        with pytest.raises(RuntimeError, match="one CUDA device"):
+        with pytest.raises(RuntimeError, match=rf"{name} is on cuda:1 but x is on cuda:0; "
+                                               rf"{_ONE_DEVICE}"):
             torch.ops.qbl.forward(*args)
         _check_still_works(x, l, w, b, f"{name} on cuda:1")
     x1, l1, w1, b1 = (t.to(other) for t in (x, l, w, b))
-    g1 = H.make_grad_out((4, 6, 16), torch.float32).to(other)
+    g1 = H.make_grad_out((4, 6, 16), torch.float32, other)
     assert torch.cuda.current_device() == 0
     q = H.run_autograd(H.qbl_fn(), x1, l1, w1, b1, g1)
     e = H.run_autograd(H.eager_fn(), x1, l1, w1, b1, g1)
@@ -151,50 +300,57 @@ def test_two_devices():
     H.check_all_grads(q, e, x1, l1, w1, b1, g1, torch.float32, False, what="on cuda:1: ")
 
 
-def test_module_parameters_like_nn_linear():
+def test_module_parameters_like_nn_linear(device):
     """Same parameter names, shapes, dtype and device as nn.Linear, and the same initialization:
-    with one seed, the same values."""
-    dev = H.device()
+    with one seed, the same values; the module's out within GEMM tolerance of eager's (on the
+    CPU bit for bit eager's: the same F.linear on the same mixed)."""
     torch.manual_seed(5)
-    lin = nn.Linear(40, 24, device=dev)
+    lin = nn.Linear(40, 24, device=device)
     torch.manual_seed(5)
-    layer = qbl.QuantBlendLinear(40, 24, device=dev)
+    layer = qbl.QuantBlendLinear(40, 24, device=device)
     assert [n for n, _ in layer.named_parameters()] == ["weight", "bias"]
     H.assert_bits_equal(layer.weight.detach(), lin.weight.detach(), "weight init vs nn.Linear's")
     H.assert_bits_equal(layer.bias.detach(), lin.bias.detach(), "bias init vs nn.Linear's")
     assert (layer.in_features, layer.out_features) == (40, 24)
-    no_bias = qbl.QuantBlendLinear(40, 24, bias=False, device=dev, dtype=torch.bfloat16)
+    assert layer.weight.device == device and layer.bias.device == device, layer.weight.device
+    no_bias = qbl.QuantBlendLinear(40, 24, bias=False, device=device, dtype=torch.bfloat16)
     assert no_bias.bias is None and list(no_bias.state_dict()) == ["weight"], no_bias.state_dict()
-    assert no_bias.weight.dtype == torch.bfloat16 and no_bias.weight.device == dev
+    assert no_bias.weight.dtype == torch.bfloat16 and no_bias.weight.device == device
     r = repr(layer)
     assert "in_features=40" in r and "out_features=24" in r and "bias=True" in r, r
-    x, l, _, _ = H.make_inputs((3, 5), 40, 24, torch.bfloat16, seed=43)
+    x, l, _, _ = H.make_inputs((3, 5), 40, 24, torch.bfloat16, device, seed=43)
     out = no_bias(x, l)
     e = H.eager_forward(x, l, no_bias.weight.detach())
     H.assert_gemm_close(out.detach(), e.out, H.ref64_out(e.mixed, no_bias.weight, None)[0],
                         torch.bfloat16, "QuantBlendLinear(bias=False) out")
+    if device.type == "cpu":
+        H.assert_bits_equal(out.detach(), e.out, "QuantBlendLinear(bias=False) out vs eager's")
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_state_dict_round_trip_with_nn_linear(bias):
-    dev = H.device()
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_state_dict_round_trip_with_nn_linear(bias, device):
+    """QuantBlendLinear -> nn.Linear -> QuantBlendLinear state dicts load strictly and keep every
+    bit; the loaded layer computes eager's layer with nn.Linear's parameters (within GEMM
+    tolerance; on the CPU bit for bit)."""
     torch.manual_seed(6)
-    layer = qbl.QuantBlendLinear(40, 24, bias=bias, device=dev)
+    layer = qbl.QuantBlendLinear(40, 24, bias=bias, device=device)
     torch.manual_seed(7)
-    lin = nn.Linear(40, 24, bias=bias, device=dev)
+    lin = nn.Linear(40, 24, bias=bias, device=device)
     lin.load_state_dict(layer.state_dict())  # strict: same keys and shapes
     torch.manual_seed(8)
-    back = qbl.QuantBlendLinear(40, 24, bias=bias, device=dev)
+    back = qbl.QuantBlendLinear(40, 24, bias=bias, device=device)
     back.load_state_dict(lin.state_dict())
     for name, p in layer.named_parameters():
         H.assert_bits_equal(getattr(lin, name).detach(), p.detach(), f"nn.Linear.{name} after load")
         H.assert_bits_equal(getattr(back, name).detach(), p.detach(), f"round-trip {name}")
-    x, l, _, _ = H.make_inputs((6,), 40, 24, torch.float32, seed=44)
+    x, l, _, _ = H.make_inputs((6,), 40, 24, torch.float32, device, seed=44)
     with torch.no_grad():
         e = H.eager_forward(x, l, lin.weight, lin.bias)
         out = back(x, l)
     H.assert_gemm_close(out, e.out, H.ref64_out(e.mixed, lin.weight, lin.bias)[0], torch.float32,
                         "loaded layer's out vs eager with nn.Linear's parameters")
+    if device.type == "cpu":
+        H.assert_bits_equal(out, e.out, "loaded layer's out vs eager's (the same F.linear)")
 
 
 @pytest.fixture(scope="module")
@@ -206,28 +362,32 @@ def model_new():
     return module
 
 
-def test_model_new_state_dict_round_trip(model_new):
+def test_model_new_state_dict_round_trip(model_new, device):
+    """Model -> ModelNew -> Model state dicts keep every bit; ModelNew computes Model (within GEMM
+    tolerance; on the CPU bit for bit, the same nn.Linear on the same mixed); with W = I, b = 0 its
+    out is eager's mixed."""
     d = 64
-    dev = H.device()
     torch.manual_seed(0)
-    ref = reference_model.Model(d).to(dev)
+    ref = reference_model.Model(d).to(device)
     torch.manual_seed(1)
-    new = model_new.ModelNew(d).to(dev)
+    new = model_new.ModelNew(d).to(device)
     shapes = {k: tuple(v.shape) for k, v in new.state_dict().items()}
     assert shapes == {k: tuple(v.shape) for k, v in ref.state_dict().items()}, shapes
     new.load_state_dict(ref.state_dict())
     torch.manual_seed(2)
-    back = reference_model.Model(d).to(dev)
+    back = reference_model.Model(d).to(device)
     back.load_state_dict(new.state_dict())
     for k, v in ref.state_dict().items():
         H.assert_bits_equal(back.state_dict()[k], v, f"Model -> ModelNew -> Model: {k}")
-    x, l = reference_model.get_inputs(2, 9, d, device=dev)
+    x, l = reference_model.get_inputs(2, 9, d, device=device)
     with torch.no_grad():
         out, want = new(x, l), ref(x, l)
     e = H.eager_forward(x, l, ref.out_proj.weight, ref.out_proj.bias)
     H.assert_gemm_close(out, want, H.ref64_out(e.mixed, ref.out_proj.weight, ref.out_proj.bias)[0],
                         torch.float32, "ModelNew vs Model")
-    w, b = H.identity_layer_params(d, torch.float32)
+    if device.type == "cpu":
+        H.assert_bits_equal(out, want, "ModelNew vs Model (the same F.linear on the same mixed)")
+    w, b = H.identity_layer_params(d, torch.float32, device)
     with torch.no_grad():
         new.out_proj.weight.copy_(w)
         new.out_proj.bias.copy_(b)
@@ -236,16 +396,16 @@ def test_model_new_state_dict_round_trip(model_new):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_model_new_is_trainable(model_new, dtype):
+def test_model_new_is_trainable(model_new, dtype, device):
     """ModelNew's forward is differentiable: grads reach x, the logits and out_proj, within
-    tolerance of the reference Model's autograd."""
+    tolerance of the reference Model's autograd (on the CPU, grad_x, grad_weight and grad_bias
+    bit for bit: eager's own GEMMs and sums on the same operands)."""
     d = 64
-    dev = H.device()
-    ref = reference_model.Model(d).to(device=dev, dtype=dtype)
-    new = model_new.ModelNew(d).to(device=dev, dtype=dtype)
+    ref = reference_model.Model(d).to(device=device, dtype=dtype)
+    new = model_new.ModelNew(d).to(device=device, dtype=dtype)
     new.load_state_dict(ref.state_dict())
-    x, l = reference_model.get_inputs(3, 11, d, dtype=dtype, device=dev)
-    g = H.make_grad_out((3, 11, d), dtype, seed=45)
+    x, l = reference_model.get_inputs(3, 11, d, dtype=dtype, device=device)
+    g = H.make_grad_out((3, 11, d), dtype, device, seed=45)
     grads = {}
     for name, model in (("new", new), ("ref", ref)):
         xx, ll = x.clone().requires_grad_(), l.clone().requires_grad_()
@@ -260,6 +420,23 @@ def test_model_new_is_trainable(model_new, dtype):
         f"{q.weight is None}, bias {q.bias is None} are None)")
     H.check_all_grads(q, grads["ref"], x, l, ref.out_proj.weight.detach(),
                       ref.out_proj.bias.detach(), g, dtype, False, what="ModelNew vs Model: ")
+    if device.type == "cpu":
+        for field in ("x", "weight", "bias"):
+            H.assert_bits_equal(getattr(q, field), getattr(grads["ref"], field),
+                                f"ModelNew vs Model: grad_{field}")
+
+
+def test_cpu_kernels_keep_no_layer():
+    """The CPU kernels plan nothing and cache nothing: after CPU forwards and a backward,
+    qbl.cache_info() lists no layer (it lists CUDA layers only), and clear_cache() leaves the
+    CPU layer working."""
+    qbl.clear_cache()
+    x, l, w, b = H.make_inputs((10,), 72, 24, torch.float32, "cpu", seed=47)
+    H.run_autograd(H.qbl_fn(), x, l, w, b, H.make_grad_out((10, 24), torch.float32, "cpu"))
+    torch.ops.qbl.forward(x.bfloat16(), l.bfloat16(), w.bfloat16(), b.bfloat16())
+    assert qbl.cache_info() == [], f"cache_info after CPU calls: {qbl.cache_info()}"
+    qbl.clear_cache()
+    _check_still_works(x, l, w, b, "clear_cache")
 
 
 def _cache_rows(n_in, n_out, dtype=torch.float32, tf32=False):
@@ -268,7 +445,11 @@ def _cache_rows(n_in, n_out, dtype=torch.float32, tf32=False):
             == (n_in, n_out, dtype, tf32)]
 
 
-def test_cache_grows_in_powers_of_two_and_clears():
+@pytest.mark.cuda
+def test_cache_grows_in_powers_of_two_and_clears(cuda_device):
+    """The CUDA layer cache: one live layer per (shape, dtypes, tf32), its token capacity a power
+    of two that only grows, a backward plan made at the first training call, cleared by
+    clear_cache()."""
     n_in, n_out = 72, 24
     qbl.clear_cache()
     assert qbl.cache_info() == [], f"cache_info after clear_cache: {qbl.cache_info()}"
@@ -277,11 +458,13 @@ def test_cache_grows_in_powers_of_two_and_clears():
             "backward_workspace_bytes"}
     previous = 0
     for tokens in (3, 100, 10, 1000, 1000):
-        x, l, w, b = H.make_inputs((tokens,), n_in, n_out, torch.float32, seed=tokens)
+        x, l, w, b = H.make_inputs((tokens,), n_in, n_out, torch.float32, cuda_device,
+                                   seed=tokens)
         _, mixed, _ = torch.ops.qbl.forward(x, l, w, b)
         H.assert_bits_equal(mixed, H.eager_forward(x, l, w, b).mixed, f"mixed at {tokens} tokens")
         rows = _cache_rows(n_in, n_out)
-        assert len(rows) == 1, f"{tokens} tokens: expected one live layer for {n_in}->{n_out}: {rows}"
+        assert len(rows) == 1, (
+            f"{tokens} tokens: expected one live layer for {n_in}->{n_out}: {rows}")
         row = rows[0]
         assert set(row) == keys, f"cache_info keys {sorted(row)}"
         assert (row["gemm_dtype"], row["logits_dtype"]) == (torch.float32, torch.float32), row
@@ -297,7 +480,7 @@ def test_cache_grows_in_powers_of_two_and_clears():
         assert row["forward_workspace_bytes"] > 0, row
         assert row["device"] == torch.cuda.current_device(), row
         previous = cap
-    g = H.make_grad_out((10, n_out), torch.float32)
+    g = H.make_grad_out((10, n_out), torch.float32, cuda_device)
     H.run_autograd(H.qbl_fn(), x[:10], l[:10], w, b, g)
     rows = _cache_rows(n_in, n_out)
     assert len(rows) == 1 and rows[0]["backward"] and rows[0]["max_tokens"] == previous, (
@@ -311,14 +494,15 @@ def test_cache_grows_in_powers_of_two_and_clears():
     _check_still_works(x, l, w, b, "clear_cache")
 
 
-def test_overlap_wgrad_from_the_environment(monkeypatch):
+@pytest.mark.cuda
+def test_overlap_wgrad_from_the_environment(monkeypatch, cuda_device):
     """QBL_OVERLAP_WGRAD=1 and =0 both plan a working backward with the same bits (grad_bias also
     within the column-sum bound of the float64 sum); =0 plans one cuBLASLt workspace instead of
     two; any other value raises ValueError naming the variable."""
     name = "QBL_OVERLAP_WGRAD"
     n_in, n_out, tokens, dtype = 96, 40, 300, torch.bfloat16
-    x, l, w, b = H.make_inputs((tokens,), n_in, n_out, dtype, seed=7)
-    g = H.make_grad_out((tokens, n_out), dtype)
+    x, l, w, b = H.make_inputs((tokens,), n_in, n_out, dtype, cuda_device, seed=7)
+    g = H.make_grad_out((tokens, n_out), dtype, cuda_device)
     grads, ws = {}, {}
     try:
         for value in ("1", "0"):
@@ -363,7 +547,7 @@ def capture(x, l, w, b):
     return graph, out, None
 
 res = {}
-x, l, w, b = H.make_inputs((8,), 88, 20, torch.float32, seed=1)
+x, l, w, b = H.make_inputs((8,), 88, 20, torch.float32, "cuda", seed=1)
 torch.cuda.synchronize()
 res["unseen"] = capture(x, l, w, b)[2]
 torch.cuda.synchronize()
@@ -371,7 +555,7 @@ out = qbl.quant_blend_linear(x, l, w, b)
 _, mixed, _ = torch.ops.qbl.forward(x, l, w, b)
 res["after_mixed_exact"] = bool(torch.equal(mixed.view(torch.int32),
                                             H.eager_forward(x, l, w, b).mixed.view(torch.int32)))
-xl, ll, _, _ = H.make_inputs((500,), 88, 20, torch.float32, seed=2)
+xl, ll, _, _ = H.make_inputs((500,), 88, 20, torch.float32, "cuda", seed=2)
 res["larger"] = capture(xl, ll, w, b)[2]
 torch.cuda.synchronize()
 graph, cap_out, res["planned"] = capture(x, l, w, b)
@@ -383,6 +567,7 @@ print("RESULT " + json.dumps(res))
 """
 
 
+@pytest.mark.cuda
 def test_planning_during_graph_capture_raises():
     """In a fresh process: a first call of a size during CUDA graph capture, or one with more
     tokens than the cached layer holds, raises RuntimeError saying why; the capture ends, the
@@ -409,13 +594,14 @@ SLEEP_CYCLES = 50_000_000  # some tens of milliseconds of device time
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fresh", [False, True], ids=["cached", "planned_on_side_stream"])
-def test_current_stream_is_respected(dtype, fresh):
+@pytest.mark.cuda
+def test_current_stream_is_respected(dtype, fresh, cuda_device):
     """Forward and backward on a side stream that is busy (a sleep kernel) when its inputs are
     produced: had qbl enqueued on another stream, it would read the inputs before they exist.
     Results equal (bitwise) the default stream's and eager's mixed."""
     n_in, n_out = (56, 28) if fresh else (96, 40)
-    x, l, w, b = H.make_inputs((16, 24), n_in, n_out, dtype, seed=46)
-    g = H.make_grad_out((16, 24, n_out), dtype, seed=47)
+    x, l, w, b = H.make_inputs((16, 24), n_in, n_out, dtype, cuda_device, seed=46)
+    g = H.make_grad_out((16, 24, n_out), dtype, cuda_device, seed=47)
     if fresh:
         qbl.clear_cache()  # the side stream's calls plan the layers
     else:

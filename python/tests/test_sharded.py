@@ -1,15 +1,16 @@
 """Sharded x: torch.ops.qbl.local_amax, a reduction of amax's bits, then torch.ops.qbl.forward
-with the reduced stats. On one GPU: the split equals the fused forward bit for bit (out, mixed,
-stats and every gradient); shards along the tokens and along the features, reduced with an
-integer max of the bits, give the unsharded layer's `mixed` bit for bit (NaN in one shard
-included); the process_group path through a one-rank NCCL group. On two or more GPUs: one process
+with the reduced stats. In one process, on the CPU and on CUDA: the split equals the fused forward
+bit for bit (out, mixed, stats and every gradient); shards along the tokens and along the
+features, reduced with an integer max of the bits, give the unsharded layer's `mixed` bit for bit
+(NaN in one shard included); opcheck of the sharded operators; an empty shard; the process_group
+path through a one-rank group (gloo on the CPU, NCCL on CUDA). On two or more GPUs: one process
 per GPU, x sharded along the tokens or the features, amax all-reduced through NCCL, called
 directly and replayed from a CUDA graph: `mixed` and [amax, scale] bit-equal to one GPU's on the
-whole x."""
+whole x. (Several CPU ranks through gloo: test_distributed.py.)"""
 
 from __future__ import annotations
 
-import helpers as H  # first: skips this module cleanly when torch or qbl cannot be imported
+import helpers as H
 
 import os
 
@@ -32,9 +33,13 @@ def _bits_max(stats_list):
 
 
 @pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
-def test_split_equals_fused_forward_and_backward(dtype):
-    x, l, w, b = H.make_inputs((3, 41), 96, 40, dtype, seed=300)
-    g = H.make_grad_out((3, 41, 40), dtype, seed=301)
+def test_split_equals_fused_forward_and_backward(dtype, device):
+    """The forward from local_amax's stats (amax_reduce the identity) against the fused forward
+    that computes amax itself: out and every gradient bit for bit; and the operators directly:
+    local_amax's amax is the fused forward's, and the forward from it gives its stats, mixed and
+    out bit for bit."""
+    x, l, w, b = H.make_inputs((3, 41), 96, 40, dtype, device, seed=300)
+    g = H.make_grad_out((3, 41, 40), dtype, device, seed=301)
     want = H.run_autograd(H.qbl_fn(), x, l, w, b, g)
     got = H.run_autograd(
         lambda *a: qbl.quant_blend_linear(*a, amax_reduce=lambda s: s), x, l, w, b, g)
@@ -49,18 +54,35 @@ def test_split_equals_fused_forward_and_backward(dtype):
     H.assert_bits_equal(out_s, out_f, "out")
 
 
+def _shard_cuts(axis, device, dtype):
+    """Two shards of x [160, 128] along `axis`: cut at token 61 -- on the CPU in float32 at token
+    64 (see test_shards_equal_the_unsharded_layer) -- or at feature 40."""
+    if axis == "features":
+        return [(slice(None), slice(0, 40)), (slice(None), slice(40, 128))]
+    at = 64 if device.type == "cpu" and dtype == torch.float32 else 61
+    return [(slice(0, at), slice(None)), (slice(at, 160), slice(None))]
+
+
 @pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
 @pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_in_one_shard"])
 @pytest.mark.parametrize("axis", ["tokens", "features"])
-def test_shards_equal_the_unsharded_layer(dtype, nan, axis):
-    x, l, w, b = H.make_inputs((160,), 128, 48, dtype, seed=310)
+def test_shards_equal_the_unsharded_layer(dtype, nan, axis, device):
+    """x [160, 128] cut in two along the tokens or the features, each shard's local_amax reduced
+    by an integer max of the bits, each shard's forward from the reduced stats: its `mixed` is the
+    unsharded forward's part bit for bit, its [amax, scale] the unsharded one; a NaN in one shard
+    makes the scale NaN. The cuts are unaligned (token 61, feature 40), except along the tokens
+    on the CPU in float32, cut at token 64: eager's CPU float32 sigmoid (which the CPU kernel
+    calls, so as to be eager's bit for bit) rounds an element differently in the vectorized body
+    of its loop than in its scalar tail, so the sigmoid of a token shard of the logits that starts
+    or ends elsewhere than at a multiple of 64 can differ from the unsharded one's in its last
+    bit, in eager as in qbl. Its bf16 and fp16 sigmoid do not depend on the position; a feature
+    shard takes every token's logit (the same sigmoid call as unsharded), and the blend is qbl's
+    own element math, which does not depend on the position either."""
+    x, l, w, b = H.make_inputs((160,), 128, 48, dtype, device, seed=310)
     if nan:
         x[150, 100] = float("nan")
     _, mixed_whole, stats_whole = torch.ops.qbl.forward(x, l, w, b)
-    if axis == "tokens":
-        cuts = [(slice(0, 61), slice(None)), (slice(61, 160), slice(None))]
-    else:
-        cuts = [(slice(None), slice(0, 40)), (slice(None), slice(40, 128))]
+    cuts = _shard_cuts(axis, device, dtype)
     shards = [(x[r, c].contiguous(), l[r].contiguous(), w[:, c].contiguous()) for r, c in cuts]
     reduced = _bits_max([torch.ops.qbl.local_amax(xs) for xs, _, _ in shards])
     for (r, c), (xs, ls, ws), shard_stats in zip(cuts, shards, reduced):
@@ -73,8 +95,10 @@ def test_shards_equal_the_unsharded_layer(dtype, nan, axis):
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
                                    pytest.param(torch.bfloat16, id="bf16")])
-def test_opcheck_sharded_ops(dtype):
-    x, l, w, b = H.make_inputs((3, 5), 32, 24, dtype, seed=320)
+def test_opcheck_sharded_ops(dtype, device):
+    """torch.library.opcheck of local_amax and of the forward given stats (schema, fake tensor,
+    autograd registration, AOT dispatch): every check SUCCESS."""
+    x, l, w, b = H.make_inputs((3, 5), 32, 24, dtype, device, seed=320)
     for op, args in ((torch.ops.qbl.local_amax.default, (x.detach().clone().requires_grad_(),)),
                      (torch.ops.qbl.forward.default,
                       tuple(t.requires_grad_() for t in (x, l, w, b))
@@ -84,30 +108,43 @@ def test_opcheck_sharded_ops(dtype):
         assert not failed, f"{op}: opcheck failures: {failed}"
 
 
-def test_empty_shard_contributes_zero():
-    x = torch.empty((0, 64), device=H.device())
+@pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
+def test_empty_shard_contributes_zero(dtype, device):
+    """A shard of no tokens reports amax +0.0 (all bits zero, the identity of the integer max),
+    as a float32 tensor on x's device."""
+    x = torch.empty((0, 64), device=device, dtype=dtype)
     stats = torch.ops.qbl.local_amax(x)
+    assert stats.dtype == torch.float32 and stats.device == x.device, (
+        f"stats: {stats.dtype} on {stats.device}")
     assert stats.view(torch.int32).tolist() == [0, 0]
 
 
-def test_process_group_of_one_rank_equals_the_unsharded_layer(tmp_path):
+def test_process_group_of_one_rank_equals_the_unsharded_layer(tmp_path, device):
+    """QuantBlendLinear with a process_group of one rank (its shard the whole x; the all-reduce of
+    amax's bits runs): out bit for bit the unsharded layer's -- a gloo group on the CPU, an NCCL
+    group on CUDA."""
     dist = torch.distributed
-    if not dist.is_available() or not dist.is_nccl_available():
-        pytest.skip("torch.distributed with NCCL is not available")
+    if device.type == "cuda":
+        if not dist.is_available() or not dist.is_nccl_available():
+            pytest.skip("torch.distributed with NCCL is not available")
+        backend, kwargs = "nccl", {"device_id": device}
+    else:
+        assert dist.is_available() and dist.is_gloo_available(), (
+            "torch.distributed with gloo, which every CPU build of torch has, is not available")
+        backend, kwargs = "gloo", {}
     assert not dist.is_initialized(), "a process group is already initialized in this process"
     store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1,
-                            device_id=H.device())
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
     try:
-        x, l, w, b = H.make_inputs((4, 33), 64, 32, torch.bfloat16, seed=330)
-        layer = qbl.QuantBlendLinear(64, 32, device=H.device(), dtype=torch.bfloat16,
+        x, l, w, b = H.make_inputs((4, 33), 64, 32, torch.bfloat16, device, seed=330)
+        layer = qbl.QuantBlendLinear(64, 32, device=device, dtype=torch.bfloat16,
                                      process_group=dist.group.WORLD)
         with torch.no_grad():
             layer.weight.copy_(w)
             layer.bias.copy_(b)
         got = layer(x, l)
         want = qbl.quant_blend_linear(x, l, w, b)
-        H.assert_bits_equal(got, want, "one-rank process group vs unsharded")
+        H.assert_bits_equal(got, want, f"one-rank {backend} process group vs unsharded")
     finally:
         dist.destroy_process_group()
 
@@ -182,10 +219,11 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("graph", [False, True], ids=["direct", "graph_replay"])
 @pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_on_one_rank"])
 @pytest.mark.parametrize("axis", ["tokens", "features"])
-def test_shards_across_gpus_equal_one_gpu(tmp_path, axis, nan, graph):
+def test_shards_across_gpus_equal_one_gpu(tmp_path, axis, nan, graph, cuda_device):
     """One process per GPU (all of them, at most 8), x sharded along `axis`, amax all-reduced
     through NCCL: each rank's `mixed` and [amax, scale] equal one GPU's on the whole x, bit for
     bit; a NaN on one rank makes every rank's scale NaN; captured in a CUDA graph, the sharded
@@ -193,19 +231,21 @@ def test_shards_across_gpus_equal_one_gpu(tmp_path, axis, nan, graph):
     world = min(torch.cuda.device_count(), 8)
     if world < 2:
         pytest.skip("needs two CUDA devices")
-    _run_sharded_workers(tmp_path, world, axis, nan, graph)
+    _run_sharded_workers(tmp_path, world, axis, nan, graph, cuda_device)
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("graph", [False, True], ids=["direct", "graph_replay"])
 @pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan"])
-def test_sharded_worker_with_one_rank_equals_the_unsharded_layer(tmp_path, nan, graph):
+def test_sharded_worker_with_one_rank_equals_the_unsharded_layer(tmp_path, nan, graph,
+                                                                 cuda_device):
     """The multi-GPU test's worker as a one-process NCCL group on one GPU (its shard is the whole
     x): the same launch, all-reduce inside a captured graph, replay and teardown, on any machine
     with one GPU."""
-    _run_sharded_workers(tmp_path, 1, "tokens", nan, graph)
+    _run_sharded_workers(tmp_path, 1, "tokens", nan, graph, cuda_device)
 
 
-def _run_sharded_workers(tmp_path, world, axis, nan, graph):
+def _run_sharded_workers(tmp_path, world, axis, nan, graph, device):
     if not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
         pytest.skip("torch.distributed with NCCL is not available")
     import subprocess
@@ -228,7 +268,7 @@ def _run_sharded_workers(tmp_path, world, axis, nan, graph):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     assert len(ranks[0]["results"]) == (3 if graph else 1)
     for i, (whole, _, _) in enumerate(ranks[0]["results"]):
-        _, mixed_whole, stats_whole = torch.ops.qbl.forward(*(t.to(H.device()) for t in whole),
+        _, mixed_whole, stats_whole = torch.ops.qbl.forward(*(t.to(device) for t in whole),
                                                             None)
         if nan:
             assert torch.isnan(stats_whole[1]), "a NaN in x must make the scale NaN"
@@ -238,6 +278,6 @@ def _run_sharded_workers(tmp_path, world, axis, nan, graph):
                        for a, b in zip(inputs, whole)), f"rank {r}: inputs differ from rank 0's"
             lo, hi = res["cut"]
             want = mixed_whole[lo:hi] if axis == "tokens" else mixed_whole[:, lo:hi]
-            H.assert_bits_equal(mixed.to(H.device()), want, f"input {i}, rank {r}: mixed")
-            H.assert_bits_equal(stats.to(H.device()), stats_whole,
+            H.assert_bits_equal(mixed.to(device), want, f"input {i}, rank {r}: mixed")
+            H.assert_bits_equal(stats.to(device), stats_whole,
                                 f"input {i}, rank {r}: [amax, scale]")
