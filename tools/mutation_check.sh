@@ -3,13 +3,16 @@
 # test suite catches it (some test fails). A mutant that survives is a guarantee without a test
 # that can fail.
 #
-#   tools/mutation_check.sh [--gpu] [--list] [mutant ...]      (default: every mutant)
+#   tools/mutation_check.sh [--gpu | --python] [--list] [mutant ...]   (default: every mutant)
 #   tools/mutation_check.sh --gpu --save-binaries DIR [mutant ...]   (build only, any machine)
 #   tools/mutation_check.sh --run-saved DIR                          (run only, on a GPU)
 #
 # CPU mode (default): builds only the test binaries that test something without a GPU and runs
 # them (their GPU tests skip); mutants of device-only code are listed as not run. --gpu (on a GPU
 # machine): builds everything and runs the whole ctest with QBL_REQUIRE_GPU=1, for every mutant.
+# --python: the PyTorch package's mutants (its CPU kernels and Python), each built with its CPU
+# kernels alone (QBL_CPU_ONLY=1) into a folder of the scratch copy and checked by the pytest suite
+# on the CPU, as CI's run checks them (needs torch; the CUDA tests skip).
 #
 # The scratch copy holds the working tree's tracked files and its untracked, not ignored ones
 # (git ls-files --cached --others --exclude-standard), as they are now, edits included; the
@@ -37,10 +40,11 @@ wanted=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpu) mode=gpu ;;
+    --python) mode=python ;;
     --list) list_only=1 ;;
     --save-binaries) save_dir=${2:?--save-binaries needs a folder}; shift ;;
     --run-saved) run_dir=${2:?--run-saved needs a folder}; mode=gpu; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) wanted+=("$1") ;;
   esac
@@ -74,6 +78,9 @@ mutants=(
   "gelu_pdf_grows|host|GELU's backward takes exp(+h^2 / 2) for the normal density"
   "gelu_tanh_backward_kappa|host|tanh-GELU's backward takes kappa for 3 * kappa in the inner derivative"
   "silu_backward_s|host|SiLU's backward takes 1 + h * s for 1 + h * (1 - s)"
+  "cpu_amax_fmax|python|the CPU kernel's amax is a float max (std::fmax drops NaN), not the integer max of the bits"
+  "cpu_blend_unrounded|python|the CPU kernel's blend skips rounding its products and sum to x's dtype"
+  "all_reduce_amax_float_max|python|all_reduce_amax all-reduces the float amax with MAX, not its bits"
 )
 
 em=include/qbl/element_math.hpp
@@ -141,6 +148,19 @@ m_silu_backward_s() {
   subst $ac 'd\[1\] = fma_rn(h, sub_rn(1.0f, s), 1.0f);' 'd[1] = fma_rn(h, s, 1.0f);'
 }
 
+ck=python/csrc/cpu/cpu_kernels.cpp
+m_cpu_amax_fmax() {
+  subst $ck 'acc = std::max(acc, qbl::abs_bits(to_float(x\[i\])));' \
+        'acc = qbl::abs_bits(std::fmax(qbl::from_abs_bits(acc), std::fabs(to_float(x[i]))));'
+}
+m_cpu_blend_unrounded() {
+  subst $ck 'qbl::blend<X>(v, qbl::fake_quant<X>(v, scale), alpha, one_minus_alpha)' \
+        'qbl::blend<float>(v, qbl::fake_quant<X>(v, scale), alpha, one_minus_alpha)'
+}
+m_all_reduce_amax_float_max() {
+  subst python/qbl/_ops.py 'all_reduce(stats\[:1\].view(torch.int32), op=' 'all_reduce(stats[:1], op='
+}
+
 table() { awk -F'|' '{ printf "%-25s %-6s %s\n", $1, $2, $3; if (NF > 3) printf "%33s%s\n", "", $4 }'; }
 if [ $list_only = 1 ]; then printf '%s\n' "${mutants[@]}" | table; exit 0; fi
 
@@ -148,7 +168,11 @@ if [ $list_only = 1 ]; then printf '%s\n' "${mutants[@]}" | table; exit 0; fi
 run_tests() {  # log [bin]
   local log=$1 bin=${2:-$build/tests} rc=0 t
   : >"$log"
-  if [ $mode = cpu ]; then
+  if [ $mode = python ]; then
+    # From the copy's root (python/ would shadow the built package with its source folder).
+    (cd "$src" && env -u QBL_REQUIRE_GPU PYTHONPATH="$scratch/site" timeout "${MUTANT_S:-1800}" \
+       python3 -m pytest python/tests -q -x -p no:cacheprovider >"$log" 2>&1) || rc=1
+  elif [ $mode = cpu ]; then
     for t in "${targets[@]}"; do
       env -u QBL_REQUIRE_GPU timeout "${MUTANT_S:-1800}" "$bin/$t" --gtest_color=no \
         >>"$log" 2>&1 || rc=1
@@ -179,6 +203,7 @@ run_tests() {  # log [bin]
 failing_tests() {  # log
   local names n
   names=$({ grep -Eo '^\[  FAILED  \] [A-Za-z_][^ ,]*' "$1" | awk '{print $NF}'
+            grep -Eo '^FAILED [^ ]+' "$1" | awk '{print $2}'
             grep -Eo '[0-9]+ - [^ ]+ \((Failed|Timeout|Exception|SEGFAULT|Subprocess aborted)\)' "$1" |
               awk '{print $3}'; } | sort -u)
   n=$(printf '%s\n' "$names" | grep -c . || true)
@@ -249,14 +274,14 @@ subst() {
 
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
-cmake -S "$src" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+[ $mode = python ] || cmake -S "$src" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" -DQBL_BUILD_EXAMPLES=OFF \
   -DQBL_BUILD_BENCHMARKS=OFF >"$logs/configure.log" 2>&1 ||
   { echo "configure failed: $logs/configure.log" >&2; exit 1; }
 
 # The binaries run directly (CPU mode, or --gpu with GPU_TESTS); none: the whole ctest.
 targets=()
-wanted_binaries=$([ $mode = cpu ] && echo "$CPU_TESTS" || echo "${GPU_TESTS:-}")
+wanted_binaries=$(case $mode in cpu) echo "$CPU_TESTS" ;; gpu) echo "${GPU_TESTS:-}" ;; esac)
 for t in $wanted_binaries; do
   if grep -q "qbl_add_test($t " "$src/tests/CMakeLists.txt"; then
     targets+=("$t")
@@ -267,7 +292,10 @@ done
 [ ${#targets[@]} -eq 0 ] || echo "test binaries: ${targets[*]}"
 
 build_all() {  # log
-  if [ ${#targets[@]} -gt 0 ]; then
+  if [ $mode = python ]; then
+    (cd "$src" && QBL_CPU_ONLY=1 MAX_JOBS=$JOBS python3 -m pip install --no-build-isolation \
+       --no-deps --upgrade --target "$scratch/site" ./python >"$1" 2>&1)
+  elif [ ${#targets[@]} -gt 0 ]; then
     cmake --build "$build" -j"$JOBS" --target "${targets[@]}" >"$1" 2>&1
   else
     cmake --build "$build" -j"$JOBS" >"$1" 2>&1
@@ -298,8 +326,15 @@ for entry in "${mutants[@]}"; do
     results+=("$name|$where|not run (device code: --gpu)|$what")
     continue
   fi
+  if { [ $mode = python ] && [ "$where" != python ]; } || { [ $mode != python ] && [ "$where" = python ]; }; then
+    results+=("$name|$where|not run ($([ "$where" = python ] && echo "the package: --python" || echo "the library: CPU or --gpu mode"))|$what")
+    continue
+  fi
   start=$(date +%s)
-  rm -rf "$scratch/include.orig" && cp -r "$src/include" "$scratch/include.orig"
+  # The sources a mutant edits (python/'s own, not its build folder), kept to be restored.
+  for d in include python/csrc python/qbl; do
+    rm -rf "$scratch/orig/$d" && mkdir -p "$scratch/orig/$d" && cp -r "$src/$d/." "$scratch/orig/$d"
+  done
   if ! "m_$name"; then
     results+=("$name|$where|PATTERN NOT FOUND|$what")
     survivors=$((survivors + 1))
@@ -316,8 +351,10 @@ for entry in "${mutants[@]}"; do
     results+=("$name|$where|caught, $(failing_tests "$logs/$name-test.log") ($(( $(date +%s) - start )) s)|$what")
   fi
   # Restore with a new time stamp, so that the next build recompiles what the mutant touched.
-  (cd "$scratch/include.orig" && find . -type f) | while read -r f; do
-    cmp -s "$scratch/include.orig/$f" "$src/include/$f" || cat "$scratch/include.orig/$f" >"$src/include/$f"
+  for d in include python/csrc python/qbl; do
+    (cd "$scratch/orig/$d" && find . -type f) | while read -r f; do
+      cmp -s "$scratch/orig/$d/$f" "$src/$d/$f" || cat "$scratch/orig/$d/$f" >"$src/$d/$f"
+    done
   done
   echo "${results[-1]}"
 done
