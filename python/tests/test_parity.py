@@ -4,8 +4,8 @@ eager's CPU and CUDA kernels agree, and these tests check that on the same input
 two devices differ, and why (each difference is asserted below, so that the list stays true):
 
 - the scale: eager's CPU kernel divides `amax / 127.0`, its CUDA kernel multiplies by fl(1/127);
-  the two differ for some amax (and then nearly every element of `mixed` can differ), never for a
-  power of two;
+  in float32 the two differ for some amax (and then nearly every element of `mixed` can differ),
+  never for a power of two; in bfloat16 and float16 they agree for every amax;
 - the sigmoid: eager's CPU computes exp with Sleef (the vectorized body of its loop) or the C
   library (the scalar tail), its CUDA kernel with CUDA's expf, so a float32 alpha can differ in the
   last place;
@@ -75,23 +75,32 @@ def test_mixed_equal_where_eagers_devices_agree(act, dtype, cuda_device):
                         f"{name} {dtype}: qbl's CPU vs CUDA mixed where eager's devices agree")
 
 
+def _scales_differ(amax, dtype):
+    """Do eager's CPU rounding (amax / 127) and CUDA rounding (amax * fl(1/127)) of the scale
+    differ for these amax values of `dtype` (each rounded to the dtype, as eager stores it)?"""
+    inv = torch.tensor(1.0 / 127.0, dtype=torch.float32)
+    ints = H._BITS[dtype][0]
+    return (amax.float() / 127.0).to(dtype).view(ints) != (amax.float() * inv).to(dtype).view(ints)
+
+
 @pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
 def test_stats_equal_and_the_scales_differ_as_eagers(dtype, cuda_device):
     """amax is the same bits on both devices; the scale is each device's eager rounding of
-    amax / 127: equal for a power of two, and for an amax where eager's division and multiply
-    differ, each device's own."""
+    amax / 127. In float32 the two roundings differ for some amax (the first one in [1, 2) is
+    used); in bfloat16 and float16 they agree for every finite amax (checked over all of them),
+    so the 16-bit scales are equal on both devices."""
     x, l, w, b = H.make_inputs((5, 7), 32, 16, dtype, "cpu", seed=901)
-    amaxes = [4.0]
-    # The first amax in [1, 2) (a value of the dtype) where amax / 127 and amax * fl(1/127) round
-    # differently in the dtype.
-    inv = torch.tensor(1.0 / 127.0, dtype=torch.float32)
-    for a in torch.arange(1.0, 2.0, 1.0 / 128).to(dtype):
-        div = (a.float() / 127.0).to(dtype)
-        mul = (a.float() * inv).to(dtype)
-        if not torch.equal(div.view(H._BITS[dtype][0]), mul.view(H._BITS[dtype][0])):
-            amaxes.append(a.item())
-            break
-    assert len(amaxes) == 2, f"{dtype}: no amax in [1, 2) separates the division from the multiply"
+    amaxes = [4.0, 1.0 + 3.0 / 128]
+    if dtype == torch.float32:
+        grid = torch.arange(1.0, 2.0, 1.0 / 4096)
+        separating = grid[_scales_differ(grid, dtype)]
+        assert separating.numel() > 0, "no float32 amax in [1, 2) separates the two roundings"
+        amaxes[1] = separating[0].item()
+    else:
+        ints = torch.arange(1, 0x7f80 if dtype == torch.bfloat16 else 0x7c00, dtype=torch.int32)
+        every = ints.to(torch.int16).view(dtype)
+        n = int(_scales_differ(every, dtype).sum())
+        assert n == 0, f"{dtype}: {n} finite amax values whose CPU and CUDA scales differ"
     for amax in amaxes:
         xs = x.float() / x.float().abs().max() * (amax * 0.75)
         xs.view(-1)[3] = amax
@@ -103,10 +112,11 @@ def test_stats_equal_and_the_scales_differ_as_eagers(dtype, cuda_device):
         for d in stats:
             H.assert_bits_equal(stats[d], eager[d], f"amax {amax}: stats vs eager's on {d}")
         H.assert_bits_equal(stats["cpu"][0], stats[cuda_device][0], f"amax {amax}: CPU vs CUDA")
+        expect_same = amax == 4.0 or dtype != torch.float32
         same_scale = bool(_same(stats["cpu"][1:], stats[cuda_device][1:]).all())
-        assert same_scale == (amax == 4.0), (
+        assert same_scale == expect_same, (
             f"amax {amax}: CPU scale {stats['cpu'][1].item()!r}, CUDA scale "
-            f"{stats[cuda_device][1].item()!r}; expected {'equal' if amax == 4.0 else 'different'}")
+            f"{stats[cuda_device][1].item()!r}; expected {'equal' if expect_same else 'different'}")
 
 
 @pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
