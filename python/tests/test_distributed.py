@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import helpers as H
 
+import faulthandler
 import os
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -56,7 +58,15 @@ _WORLD_PARAMS = [pytest.param(2, id="2ranks"), pytest.param(4, id="4ranks")]
 def _entry(rank, world, folder, job, args):
     """One rank: one CPU thread, a gloo group over a FileStore, job(rank, world, *args); its
     result goes to folder/rank{rank}.pt for the test to read, or what it raised (with the time)
-    to folder/rank{rank}.err."""
+    to folder/rank{rank}.err.
+
+    A rank that dies in C++ (an abort, a segfault) prints every thread's Python stack first
+    (faulthandler), so the test's captured output says where. Once its result is saved, a rank
+    leaves with os._exit(0): the interpreter's finalization would otherwise destroy what torch
+    still holds of the process groups (DeviceMesh and FSDP keep references that
+    destroy_process_group does not drop) while the interpreter is being torn down, which can
+    abort the process after its work is done (pytorch#179291)."""
+    faulthandler.enable(all_threads=True)
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_GLOO_TIMEOUT,
@@ -71,6 +81,9 @@ def _entry(rank, world, folder, job, args):
         if dist.is_initialized():
             dist.destroy_process_group()
     torch.save(result, os.path.join(folder, f"rank{rank}.pt"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _rank_errors(folder, world, what, fallback):
