@@ -40,6 +40,19 @@ SMALL_SHAPES = [
     pytest.param((130,), 24, 56, True, id="2d_24to56"),
 ]
 
+# ---- the input activations ---------------------------------------------------------------------
+
+#: The operators' activation names (activation= of torch.ops.qbl.*; the Python API takes None for
+#: "none") and what eager computes for each: the layer applies it to x before the blend.
+ACTIVATIONS = {
+    "none": lambda h: h,
+    "gelu": lambda h: F.gelu(h),
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+ACTIVATION_PARAMS = [pytest.param(a, id=a) for a in ACTIVATIONS]
+
 # ---- dtypes and tolerances ------------------------------------------------------------------------
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

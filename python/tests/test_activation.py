@@ -21,14 +21,9 @@ from __future__ import annotations
 import pytest
 
 import helpers as H
-from helpers import torch, qbl, F
+from helpers import torch, qbl
 
-ACTIVATIONS = {
-    "gelu": lambda h: F.gelu(h),
-    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-}
+ACTIVATIONS = {a: f for a, f in H.ACTIVATIONS.items() if a != "none"}
 ACT_PARAMS = [pytest.param(a, id=a) for a in ACTIVATIONS]
 DTYPES16 = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 WIDTH = 256
