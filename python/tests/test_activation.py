@@ -294,21 +294,17 @@ AUTOCAST_CASES = [
 @pytest.mark.parametrize("ac,x_dtype", AUTOCAST_CASES)
 @pytest.mark.parametrize("act", ACT_PARAMS)
 def test_autocast_runs_the_activation_in_its_input_dtype(act, ac, x_dtype, device):
-    """Under autocast(A) (CUDA's, or the CPU's; A = bf16 or fp16, both of which torch's CPU
-    autocast supports) with x float32 or A, logits in A and float32 parameters, eager runs the
-    activation in its input's dtype (none of F.gelu / F.relu / F.silu is on autocast's lists) and
+    """Under autocast(A) (CUDA's or the CPU's; A = bf16 or fp16, both of which torch's CPU
+    autocast supports), x float32 or A, logits in A, float32 parameters: eager runs the
+    activation in its input's dtype (none of F.gelu / F.relu / F.silu is on autocast's lists),
     then the reference module under autocast; qbl computes the same. Against eager's activation
-    followed by the reference module under the same autocast: mixed bit for bit (the GEMM
-    operand, eager's mixed.to(A)) and the stats; out in A; each gradient in its input's dtype as
-    eager's; the gradient of h bit for bit (eager's activation backward of grad_x, which with
-    this general weight also takes g_mixed to be eager's bits: on the CPU it is eager's own mm,
-    on CUDA qbl's dgrad GEMM, which gave cuBLAS's bits in the bf16 cases on the H200 at
-    107d64f); grad_logits within 2 x eager's error of the float64 value + one rounding (norm);
-    grad_weight within max(2 x eager's relative error, the float32 floor) of the float64
-    g^T @ RN_A(mixed), and grad_bias within the bound of an fp32 sum in any order rounded to A
-    (both run in A and are widened to float32 by the cast's backward). On the CPU out,
-    grad_weight and grad_bias bit for bit eager's too (eager's own F.linear, mm and sum on the
-    same operands)."""
+    followed by the reference module under the same autocast: mixed bit for bit (eager's
+    mixed.to(A), the GEMM operand) and the stats; out in A (on the CPU eager's bits); the
+    gradient of h bit for bit (eager's activation backward of grad_x; with this general weight
+    that also takes g_mixed to be eager's bits: on the CPU it is eager's own mm, on CUDA qbl's
+    dgrad GEMM, which gave cuBLAS's bits in the bf16 cases on the H200 at 107d64f); the other
+    gradients as H.check_autocast_grads holds them (eager's dtypes; grad_logits, grad_weight and
+    grad_bias within their bounds of float64; on the CPU eager's bits)."""
     x, l, w, b = H.make_inputs((3, 40), 128, 64, torch.float32, device, seed=15)
     x, l = x.to(x_dtype), l.to(ac)  # the gate Linear's output under autocast
     with torch.autocast(device.type, dtype=ac):
@@ -327,21 +323,5 @@ def test_autocast_runs_the_activation_in_its_input_dtype(act, ac, x_dtype, devic
 
     q = run(lambda x_, l_, w_, b_: qbl.quant_blend_linear(x_, l_, w_, b_, activation=act))
     r = run(lambda x_, l_, w_, b_: H.eager_forward(ACTIVATIONS[act](x_), l_, w_, b_).out)
-    for name, t in (("x", x), ("logits", l), ("weight", w), ("bias", b)):
-        assert getattr(q, name).dtype == getattr(r, name).dtype == t.dtype, (
-            f"grad of {name}: {getattr(q, name).dtype}, eager's {getattr(r, name).dtype}, "
-            f"input {t.dtype}")
     H.assert_bits_equal(q.x, r.x, "grad of h under autocast")
-    if device.type == "cpu":
-        for name in ("out", "weight", "bias"):
-            H.assert_bits_equal(getattr(q, name), getattr(r, name),
-                                f"{name} under autocast vs eager autograd's (CPU)")
-    # float64 references from eager's forward values under autocast: g_mixed = g @ RN_A(W), the
-    # blend's x_q and alpha as eager holds them, the weight gradient from RN_A(mixed).
-    r64 = H.ref64_grads(ACTIVATIONS[act](x).float(), l.float(), w.to(ac), e, g.float())
-    H.assert_norm_within_eager(q.logits, r.logits, r64.logits, ac, "grad_logits under autocast")
-    g2, m2 = g.double().reshape(-1, 64), e.mixed.to(ac).double().reshape(-1, 128)
-    H.assert_gemm_close(q.weight, r.weight, g2.t() @ m2, torch.float32,
-                        "grad_weight under autocast")
-    H.assert_sum_close(q.bias, g2.sum(0), g2.abs().sum(0), g2.shape[0], ac,
-                       "grad_bias under autocast")
+    H.check_autocast_grads(q, r, ACTIVATIONS[act](x), l, w, e, g, ac)
