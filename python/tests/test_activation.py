@@ -302,7 +302,8 @@ def test_autocast_runs_the_activation_in_its_input_dtype(act, ac, x_dtype, devic
     mixed.to(A), the GEMM operand) and the stats; out in A (on the CPU eager's bits); the
     gradient of h bit for bit (eager's activation backward of grad_x; with this general weight
     that also takes g_mixed to be eager's bits: on the CPU it is eager's own mm, on CUDA qbl's
-    dgrad GEMM, which gave cuBLAS's bits in the bf16 cases on the H200 at 107d64f); the other
+    dgrad GEMM, which gave cuBLAS's bits in the bf16 cases on the H200,
+    benchmarks/tests_h200_107d64f.txt); the other
     gradients as H.check_autocast_grads holds them (eager's dtypes; grad_logits, grad_weight and
     grad_bias within their bounds of float64; on the CPU eager's bits)."""
     x, l, w, b = H.make_inputs((3, 40), 128, 64, torch.float32, device, seed=15)
