@@ -40,6 +40,19 @@ SMALL_SHAPES = [
     pytest.param((130,), 24, 56, True, id="2d_24to56"),
 ]
 
+# ---- the input activations ---------------------------------------------------------------------
+
+#: The operators' activation names (activation= of torch.ops.qbl.*; the Python API takes None for
+#: "none") and what eager computes for each: the layer applies it to x before the blend.
+ACTIVATIONS = {
+    "none": lambda h: h,
+    "gelu": lambda h: F.gelu(h),
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+ACTIVATION_PARAMS = [pytest.param(a, id=a) for a in ACTIVATIONS]
+
 # ---- dtypes and tolerances ------------------------------------------------------------------------
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -349,6 +362,36 @@ def check_all_grads(q: Grads, e: Grads, x, l, w, b, g, dtype, ste, what=""):
     plain = g.reshape(-1, g.shape[-1]).sum(0)  # the plain reduction, in the dtype
     assert_sum_close(q.bias, plain.double(), r.bias_abs, tokens, dtype,
                      f"{what}grad_bias vs g.sum(tokens)", factor=2.0)
+
+
+def check_autocast_grads(q: Grads, e: Grads, h, logits, weight, fwd: Eager, g, ac, what=""):
+    """qbl's gradients `q` under autocast(ac) against eager autograd's `e` of the reference module
+    under the same autocast (float32 parameters; h the activation's output, as the module sees
+    it; fwd eager's forward values there): each gradient in its input's dtype as eager's;
+    grad_logits within 2 x eager's error of the float64 value + one rounding (norm), from
+    g_mixed = g @ RN_A(W) and eager's alpha and x_q; grad_weight within max(2 x eager's relative
+    error, the float32 floor) of the float64 g^T @ RN_A(mixed), and grad_bias within the bound of
+    an fp32 sum in any order rounded to A (both run in A, widened to float32 by the cast's
+    backward). On the CPU out, grad_weight and grad_bias bit for bit eager's (eager's own
+    F.linear, mm and sum on the same operands). grad_x is the caller's: its bits depend on
+    whether g_mixed is eager's."""
+    for name in ("x", "logits", "weight", "bias"):
+        got, want = getattr(q, name), getattr(e, name)
+        assert got is not None and got.dtype == want.dtype, (
+            f"{what}grad of {name}: {None if got is None else got.dtype}, eager's {want.dtype}")
+    if q.x.device.type == "cpu":
+        for name in ("out", "weight", "bias"):
+            assert_bits_equal(getattr(q, name), getattr(e, name),
+                              f"{what}{name} under autocast vs eager autograd's (CPU)")
+    n_out, n_in = weight.shape
+    r = ref64_grads(h.float(), logits.float(), weight.to(ac), fwd, g.float())
+    assert_norm_within_eager(q.logits, e.logits, r.logits, ac, f"{what}grad_logits under autocast")
+    g2 = g.double().reshape(-1, n_out)
+    m2 = fwd.mixed.detach().to(ac).double().reshape(-1, n_in)
+    assert_gemm_close(q.weight, e.weight, g2.t() @ m2, torch.float32,
+                      f"{what}grad_weight under autocast")
+    assert_sum_close(q.bias, g2.sum(0), g2.abs().sum(0), g2.shape[0], ac,
+                     f"{what}grad_bias under autocast")
 
 
 # ---- the non-finite and edge input table (forward and backward) -----------------------------------

@@ -276,6 +276,54 @@ def test_bad_backward_tensors_on_cpu_and_cuda(cuda_device):
     _check_backward_cases(_backward_mixed_device_cases(x, l, w, mixed, stats, g), x, l, w, b)
 
 
+#: Where the layer runs: outside autocast (one dtype), or under autocast(A) with float32 x and
+#: parameters and logits in A (the operator then keeps the float32 weight parameter itself).
+INPLACE_REGIONS = [pytest.param(None, id="fp32"),
+                   pytest.param(torch.bfloat16, id="autocast_bf16"),
+                   pytest.param(torch.float16, id="autocast_fp16")]
+
+
+@pytest.mark.parametrize("keep_mixed", [True, False], ids=["keep_mixed", "recompute"])
+@pytest.mark.parametrize("act", [pytest.param(None, id="none"), pytest.param("gelu", id="gelu")])
+@pytest.mark.parametrize("ac", INPLACE_REGIONS)
+@pytest.mark.parametrize("changed", ["x", "logits", "weight"])
+def test_inplace_change_of_a_saved_input_raises_in_backward(changed, ac, act, keep_mixed,
+                                                            device):
+    """Autograd saves x (the activation's input, where there is one), the logits and the weight
+    as given (under autocast the float32 parameter itself, not a cast copy): one of them changed
+    in place between the forward and the backward (under no_grad, as an optimizer step changes a
+    parameter) bumps its version counter, and the backward raises autograd's RuntimeError "...
+    modified by an inplace operation", naming the changed tensor's shape and versions
+    (docs/pytorch.md), instead of computing gradients from the changed values -- outside
+    autocast and under bf16 and fp16 autocast, with and without an activation, with mixed kept
+    and recomputed. (Under autocast eager's F.linear keeps a cast copy of the weight and would
+    not raise for the weight: the docs state qbl's behaviour as nn.Linear's outside autocast.)
+    The same graph without the change backpropagates (the error is the change's)."""
+    x, l, w, b = H.make_inputs((4, 6), 32, 16, torch.float32, device, seed=49)
+    if ac is not None:
+        l = l.to(ac)
+    g = H.make_grad_out((4, 6, 16), ac or torch.float32, device, seed=50)
+
+    def forward():
+        leaves = {name: t.detach().clone().requires_grad_()
+                  for name, t in (("x", x), ("logits", l), ("weight", w), ("bias", b))}
+        with torch.autocast(device.type, dtype=ac or torch.bfloat16, enabled=ac is not None):
+            out = qbl.quant_blend_linear(leaves["x"], leaves["logits"], leaves["weight"],
+                                         leaves["bias"], activation=act, keep_mixed=keep_mixed)
+        return leaves, out
+
+    _, out = forward()
+    out.backward(g)  # unchanged: no error
+    leaves, out = forward()
+    with torch.no_grad():
+        leaves[changed].add_(1.0)
+    shape = ", ".join(str(n) for n in leaves[changed].shape)
+    # autograd names the changed tensor by its type and shape: "[torch.FloatTensor [16, 32]]"
+    with pytest.raises(RuntimeError, match=rf"modified by an inplace operation: \[\S+ "
+                                           rf"\[{shape}\]\] is at version 1; expected version 0"):
+        out.backward(g)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_devices(cuda_device):

@@ -1,10 +1,12 @@
 """qbl's backward (through autograd and torch.ops.qbl.backward) against eager PyTorch's autograd
 of the reference and float64 references: grad_x bit for bit where the dgrad GEMM is exact
 (W = I), grad_logits within twice eager's own error, grad_weight / grad_bias within GEMM and sum
-tolerances; straight-through as reference_model.ModelSTE; requested subsets; zero tokens; the
-non-finite table. On the CPU and on CUDA (the `device` fixture); on the CPU, whose kernel runs
-eager's own GEMMs and bias sum on the same operands, out, grad_x, grad_weight and grad_bias are
-also held to eager autograd's bits (grad_logits, summed in double there, to the same bounds)."""
+tolerances; straight-through as reference_model.ModelSTE; requested subsets; every output mask of
+the operator with each activation (against the all-outputs call bit for bit, and against eager);
+zero tokens; the non-finite table. On the CPU and on CUDA (the `device` fixture); on the CPU,
+whose kernel runs eager's own GEMMs and bias sum on the same operands, out, grad_x, grad_weight
+and grad_bias are also held to eager autograd's bits (grad_logits, summed in double there, to the
+same bounds)."""
 
 from __future__ import annotations
 
@@ -212,6 +214,40 @@ ACT_PARAMS = [pytest.param(None, id="no_act")] + [
     pytest.param(a, id=a) for a in ("gelu", "gelu_tanh", "relu", "silu")]
 
 
+def _eager_references(act, x, l, w, b, g, ste):
+    """Eager autograd of act followed by the reference module (ModelSTE's with `ste`), and the
+    float64 references: ref64_grads from eager's forward values on act(x), with the gradient of
+    h carried through the activation in float64 (eager's activation differentiated by autograd
+    on float64 h)."""
+    fn = H.ACTIVATIONS[act]
+    e = H.run_autograd(lambda x_, l_, w_, b_: H.eager_forward(fn(x_), l_, w_, b_, ste).out,
+                       x, l, w, b, g)
+    with torch.no_grad():
+        fwd = H.eager_forward(fn(x), l, w, b, straight_through=ste)
+    r = H.ref64_grads(fn(x), l, w, fwd, g, straight_through=ste)
+    h64 = x.detach().double().requires_grad_()
+    r.x = torch.autograd.grad(fn(h64), h64, r.x)[0] if act != "none" else r.x
+    return e, r
+
+
+def _check_one_grad_against_eager(name, got, e: H.Grads, r: H.Ref64Grads, tokens, dtype, device,
+                                  what):
+    """One gradient of a backward call against eager's and the float64 reference, within the
+    bounds check_all_grads uses: grad_x (of h) and grad_weight within max(2 x eager's relative
+    error, the GEMM floor); grad_logits within 2 x eager's error + one rounding (norm); grad_bias
+    within the bound of an fp32 sum in any order. On the CPU grad_x, grad_weight and grad_bias
+    bit for bit eager's (eager's own mm, sum and activation backward on the same operands)."""
+    if name == "logits":
+        H.assert_norm_within_eager(got, e.logits, r.logits, dtype, what)
+        return
+    if name == "bias":
+        H.assert_sum_close(got, r.bias, r.bias_abs, tokens, dtype, what)
+    else:
+        H.assert_gemm_close(got, getattr(e, name), getattr(r, name), dtype, what)
+    if device.type == "cpu":
+        H.assert_bits_equal(got, getattr(e, name), f"{what} vs eager autograd's (CPU)")
+
+
 @pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
 @pytest.mark.parametrize("act", ACT_PARAMS)
 def test_every_output_mask_with_kept_and_recomputed_mixed(act, dtype, device):
@@ -219,13 +255,18 @@ def test_every_output_mask_with_kept_and_recomputed_mixed(act, dtype, device):
     kept (the forward's) and recomputed (None), with and without a bias, in both quantizer-gradient
     modes: each requested output bit-identical to that of the call asking for all four with the
     kept mixed (whatever else is asked and wherever mixed comes from, each gradient is computed
-    the same way), each other one an empty [0] tensor of its dtype. With an activation the
-    backward is handed the activation's input and recomputes act(x) where it needs it."""
+    the same way: on CUDA the element kernel runs other code for grad_x and grad_logits together
+    than for one of them alone), each other one an empty [0] tensor of its dtype. With an
+    activation the backward is handed the activation's input and recomputes act(x) where it needs
+    it. Each requested output is also held to an independent reference, eager autograd of the
+    activation followed by the reference module (ModelSTE with straight_through), and float64:
+    _check_one_grad_against_eager's bounds (on the CPU eager's bits but for grad_logits)."""
     lead, n_in, n_out = (4, 9), 48, 32
     x, l, w, b = H.make_inputs(lead, n_in, n_out, dtype, device, seed=36)
     g = H.make_grad_out((*lead, n_out), dtype, device, seed=37)
     name = "none" if act is None else act
     shapes = (x.shape, l.shape, w.shape, b.shape)
+    tokens = x.numel() // n_in
     for ste in (False, True):
         _, mixed, stats = torch.ops.qbl.forward(x, l, w, b, activation=name, straight_through=ste)
         full = torch.ops.qbl.backward(g, x, l, w, mixed, stats, True, [True] * 4, activation=name,
@@ -234,6 +275,7 @@ def test_every_output_mask_with_kept_and_recomputed_mixed(act, dtype, device):
             assert t.shape == shape and t.dtype == dtype, (
                 f"grad_{NAMES[i]} (all asked, ste {ste}): {tuple(t.shape)} {t.dtype}, expected "
                 f"{tuple(shape)} {dtype}")
+        e, r = _eager_references(name, x, l, w, b, g, ste)
         for source, given in (("kept", mixed), ("recomputed", None)):
             for has_bias in (True, False):
                 for mask in ALL_MASKS:
@@ -245,6 +287,8 @@ def test_every_output_mask_with_kept_and_recomputed_mixed(act, dtype, device):
                                 f"straight_through {ste}")
                         if asked[i]:
                             H.assert_bits_equal(got[i], full[i], f"{what} vs all asked, kept mixed")
+                            _check_one_grad_against_eager(grad, got[i], e, r, tokens, dtype,
+                                                          device, f"{what} vs eager")
                         else:
                             assert got[i].shape == (0,) and got[i].dtype == dtype, (
                                 f"{what}: not requested, got {tuple(got[i].shape)} "

@@ -19,6 +19,8 @@ import torch
 
 import qbl
 
+ACT_PARAMS = H.ACTIVATION_PARAMS
+
 
 def _bits_max(stats_list):
     """Every shard's stats[0] := the integer max of all shards' stats[0] bits (what an all-reduce
@@ -54,39 +56,80 @@ def test_split_equals_fused_forward_and_backward(dtype, device):
     H.assert_bits_equal(out_s, out_f, "out")
 
 
-def _shard_cuts(axis, device, dtype):
-    """Two shards of x [160, 128] along `axis`: cut at token 61 -- on the CPU in float32 at token
-    64 (see test_shards_equal_the_unsharded_layer) -- or at feature 40."""
+LOCAL_AMAX_CASES = {
+    "finite": None,
+    "nan_in_x": float("nan"),
+    "pos_inf_in_x": float("inf"),
+    "neg_inf_in_x": float("-inf"),  # gelu, gelu_tanh and silu of -Inf are NaN (-Inf * 0)
+}
+
+
+@pytest.mark.parametrize("case", list(LOCAL_AMAX_CASES))
+@pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
+@pytest.mark.parametrize("act", ACT_PARAMS)
+def test_local_amax_is_eagers_max_abs_of_the_activation(act, dtype, case, device):
+    """torch.ops.qbl.local_amax(x, activation) against eager on the same device: a float32 [2]
+    tensor on x's device, bit for bit [act(x).abs().max(), +0.0] with act eager's activation (the
+    identity for "none") -- the max exact in x's dtype, widened exactly to float32, and
+    NaN-propagating as torch.max: one NaN of act(x) (a NaN in x; for gelu, gelu_tanh and silu
+    also -Inf in x, whose value is -Inf * 0) makes amax NaN; an Inf of act(x) makes it Inf. On the
+    CPU the kernel calls eager's activation on the same tensor, so act(x) has eager's bits there
+    whatever the vectorized loop does; on CUDA the activation is an element function."""
+    x, _, _, _ = H.make_inputs((5, 37), 96, 8, dtype, device, seed=305)
+    special = LOCAL_AMAX_CASES[case]
+    if special is not None:
+        x[3, 20, 50] = special
+    stats = torch.ops.qbl.local_amax(x, act)
+    amax = H.ACTIVATIONS[act](x).abs().max().float()
+    H.assert_bits_equal(stats, torch.stack([amax, torch.zeros_like(amax)]),
+                        f"local_amax(x, {act!r}) vs [max |{act}(x)|, 0]")
+    if case == "nan_in_x" or (case == "neg_inf_in_x" and act in ("gelu", "gelu_tanh", "silu")):
+        assert torch.isnan(stats[0]), f"{case}: amax of {act}(x) must be NaN, got {stats[0]}"
+    _, _, fused = torch.ops.qbl.forward(x, *H.make_inputs((5, 37), 96, 8, dtype, device,
+                                                           seed=306)[1:], activation=act)
+    H.assert_bits_equal(stats[0], fused[0], f"local_amax(x, {act!r}) vs the fused forward's amax")
+
+
+def _shard_cuts(axis, device, dtype, act):
+    """Two shards of x [160, 128] along `axis`: cut at token 61 or at feature 40 -- on the CPU at
+    token 64 in float32 or with an activation, and at feature 64 with an activation (see
+    test_shards_equal_the_unsharded_layer)."""
+    aligned = device.type == "cpu" and act != "none"
     if axis == "features":
-        return [(slice(None), slice(0, 40)), (slice(None), slice(40, 128))]
-    at = 64 if device.type == "cpu" and dtype == torch.float32 else 61
+        at = 64 if aligned else 40
+        return [(slice(None), slice(0, at)), (slice(None), slice(at, 128))]
+    at = 64 if aligned or (device.type == "cpu" and dtype == torch.float32) else 61
     return [(slice(0, at), slice(None)), (slice(at, 160), slice(None))]
 
 
+@pytest.mark.parametrize("act", ACT_PARAMS)
 @pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
 @pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_in_one_shard"])
 @pytest.mark.parametrize("axis", ["tokens", "features"])
-def test_shards_equal_the_unsharded_layer(dtype, nan, axis, device):
-    """x [160, 128] cut in two along the tokens or the features, each shard's local_amax reduced
-    by an integer max of the bits, each shard's forward from the reduced stats: its `mixed` is the
-    unsharded forward's part bit for bit, its [amax, scale] the unsharded one; a NaN in one shard
-    makes the scale NaN. The cuts are unaligned (token 61, feature 40), except along the tokens
-    on the CPU in float32, cut at token 64: eager's CPU float32 sigmoid (which the CPU kernel
-    calls, so as to be eager's bit for bit) rounds an element differently in the vectorized body
-    of its loop than in its scalar tail, so the sigmoid of a token shard of the logits that starts
-    or ends elsewhere than at a multiple of 64 can differ from the unsharded one's in its last
-    bit, in eager as in qbl. Its bf16 and fp16 sigmoid do not depend on the position; a feature
-    shard takes every token's logit (the same sigmoid call as unsharded), and the blend is qbl's
-    own element math, which does not depend on the position either."""
+def test_shards_equal_the_unsharded_layer(dtype, nan, axis, act, device):
+    """x [160, 128] cut in two along the tokens or the features, each shard's
+    local_amax(activation=) reduced by an integer max of the bits, each shard's forward from the
+    reduced stats with the same activation: its `mixed` is the unsharded forward's part bit for
+    bit, its [amax, scale] the unsharded one; a NaN in one shard makes the scale NaN (every
+    activation maps NaN to NaN). The cuts are unaligned (token 61, feature 40), except on the
+    CPU: there eager's float32 sigmoid and its activations (which the CPU kernel calls, so as to
+    be eager's bit for bit) round an element differently in the vectorized body of their loop
+    than in its scalar tail, so the sigmoid of a token shard of the logits, or the activation of
+    a shard of x, that starts or ends elsewhere than at a multiple of 64 elements can differ from
+    the unsharded one's in its last bit, in eager as in qbl (docs/sharded.md). So on the CPU the
+    tokens are cut at token 64 in float32 or with an activation, and the features at feature 64
+    with an activation. Without an activation the bf16 and fp16 sigmoid do not depend on the
+    position, a feature shard takes every token's logit (the same sigmoid call as unsharded), and
+    the blend is qbl's own element math, which does not depend on the position either."""
     x, l, w, b = H.make_inputs((160,), 128, 48, dtype, device, seed=310)
     if nan:
         x[150, 100] = float("nan")
-    _, mixed_whole, stats_whole = torch.ops.qbl.forward(x, l, w, b)
-    cuts = _shard_cuts(axis, device, dtype)
+    _, mixed_whole, stats_whole = torch.ops.qbl.forward(x, l, w, b, activation=act)
+    cuts = _shard_cuts(axis, device, dtype, act)
     shards = [(x[r, c].contiguous(), l[r].contiguous(), w[:, c].contiguous()) for r, c in cuts]
-    reduced = _bits_max([torch.ops.qbl.local_amax(xs) for xs, _, _ in shards])
+    reduced = _bits_max([torch.ops.qbl.local_amax(xs, act) for xs, _, _ in shards])
     for (r, c), (xs, ls, ws), shard_stats in zip(cuts, shards, reduced):
-        _, mixed, stats = torch.ops.qbl.forward(xs, ls, ws, b, shard_stats)
+        _, mixed, stats = torch.ops.qbl.forward(xs, ls, ws, b, shard_stats, activation=act)
         H.assert_bits_equal(mixed, mixed_whole[r, c], f"{axis} shard {r, c}: mixed")
         H.assert_bits_equal(stats, stats_whole, f"{axis} shard {r, c}: [amax, scale]")
     if nan:
@@ -111,12 +154,13 @@ def test_opcheck_sharded_ops(dtype, device):
 @pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
 def test_empty_shard_contributes_zero(dtype, device):
     """A shard of no tokens reports amax +0.0 (all bits zero, the identity of the integer max),
-    as a float32 tensor on x's device."""
+    as a float32 tensor on x's device, with every activation."""
     x = torch.empty((0, 64), device=device, dtype=dtype)
-    stats = torch.ops.qbl.local_amax(x)
-    assert stats.dtype == torch.float32 and stats.device == x.device, (
-        f"stats: {stats.dtype} on {stats.device}")
-    assert stats.view(torch.int32).tolist() == [0, 0]
+    for act in H.ACTIVATIONS:
+        stats = torch.ops.qbl.local_amax(x, act)
+        assert stats.dtype == torch.float32 and stats.device == x.device, (
+            f"stats ({act}): {stats.dtype} on {stats.device}")
+        assert stats.view(torch.int32).tolist() == [0, 0], f"{act}: {stats.tolist()}"
 
 
 def test_process_group_of_one_rank_equals_the_unsharded_layer(tmp_path, device):

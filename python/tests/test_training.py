@@ -1,10 +1,10 @@
 """qbl as training uses it: under torch.autocast (values, dtypes, gradients, a float32 weight used
-twice in one region, torch.compile), the backward that recomputes `mixed` with the
-straight-through estimator, and grad_logits' accuracy against eager's -- on the CPU and on CUDA
-(the `device` fixture; CPU autocast in bf16 and fp16 as on CUDA). CUDA's alone: a captured
-training step, the same layer on two streams at once (and on one while a capture on the other is
-open), planning on another thread, wgrad beside dgrad (QBL_OVERLAP_WGRAD), and the host time of a
-call against nn.Linear's.
+twice in one region, torch.compile), the backward that recomputes `mixed` (with the
+straight-through estimator; under autocast with every activation), and grad_logits' accuracy
+against eager's -- on the CPU and on CUDA (the `device` fixture; CPU autocast in bf16 and fp16
+as on CUDA). CUDA's alone: a captured training step, the same layer on two streams at once (and
+on one while a capture on the other is open), planning on another thread, wgrad beside dgrad
+(QBL_OVERLAP_WGRAD), and the host time of a call against nn.Linear's.
 
 The autocast reference is the reference module's arithmetic run by eager under autocast on the
 same device (helpers.eager_forward inside torch.autocast(device.type)): F.linear casts mixed,
@@ -200,33 +200,21 @@ def test_float32_weight_used_twice_in_one_autocast_region(ac, device):
         H.assert_gemm_close(q[i], e[i], refs[name], torch.float32, f"{name} (two calls)")
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param((torch.float32, None), id="fp32"), pytest.param((torch.bfloat16, None), id="bf16"),
-    pytest.param((torch.float16, None), id="fp16"),
-    pytest.param((torch.float32, AC), id="autocast_bf16")])
-def test_recomputed_mixed_with_straight_through_gives_the_kept_gradients(case, device):
+@pytest.mark.parametrize("dtype", H.DTYPE_PARAMS)
+def test_recomputed_mixed_with_straight_through_gives_the_kept_gradients(dtype, device):
     """keep_mixed=False (the backward recomputes mixed from x and the stats) with
     straight_through=True against keep_mixed=True: out and every gradient bit for bit, also the
     weight gradient alone (mixed recomputed without dgrad) -- as test_activation checks without
-    the straight-through estimator; under autocast too (float32 x and parameters, a bf16 gate:
-    mixed recomputed in the GEMM's dtype). And the gradients against ModelSTE's eager autograd
-    (outside autocast): the backward's bounds (check_all_grads), grad_x bit for bit."""
-    dtype, ac = case
+    the straight-through estimator (under autocast, with every activation:
+    test_recomputed_mixed_under_autocast_gives_the_kept_gradients). And the gradients against
+    ModelSTE's eager autograd: the backward's bounds (check_all_grads), grad_x bit for bit."""
     lead, n_in, n_out = (3, 37), 96, 40
     x, l, w, b = H.make_inputs(lead, n_in, n_out, dtype, device, seed=260)
-    if ac is not None:
-        l = l.to(ac)
-    g = H.make_grad_out((*lead, n_out), ac or dtype, device, seed=261)
+    g = H.make_grad_out((*lead, n_out), dtype, device, seed=261)
 
     def fn(keep):
-        def call(x_, l_, w_, b_):
-            if ac is None:
-                return qbl.quant_blend_linear(x_, l_, w_, b_, straight_through=True,
-                                              keep_mixed=keep)
-            with _autocast(device, ac):
-                return qbl.quant_blend_linear(x_, l_, w_, b_, straight_through=True,
-                                              keep_mixed=keep)
-        return call
+        return lambda x_, l_, w_, b_: qbl.quant_blend_linear(x_, l_, w_, b_, straight_through=True,
+                                                             keep_mixed=keep)
 
     kept = H.run_autograd(fn(True), x, l, w, b, g)
     recomputed = H.run_autograd(fn(False), x, l, w, b, g)
@@ -236,10 +224,70 @@ def test_recomputed_mixed_with_straight_through_gives_the_kept_gradients(case, d
     kept_w = H.run_autograd(fn(True), x, l, w, b, g, want=(False, False, True, False))
     rec_w = H.run_autograd(fn(False), x, l, w, b, g, want=(False, False, True, False))
     H.assert_bits_equal(rec_w.weight, kept_w.weight, "grad of weight alone")
-    if ac is None:
-        eager = H.run_autograd(H.eager_fn(straight_through=True), x, l, w, b, g)
-        H.assert_bits_equal(recomputed.x, eager.x, "grad_x vs ModelSTE's eager autograd")
-        H.check_all_grads(recomputed, eager, x, l, w, b, g, dtype, True, "recomputed, STE: ")
+    eager = H.run_autograd(H.eager_fn(straight_through=True), x, l, w, b, g)
+    H.assert_bits_equal(recomputed.x, eager.x, "grad_x vs ModelSTE's eager autograd")
+    H.check_all_grads(recomputed, eager, x, l, w, b, g, dtype, True, "recomputed, STE: ")
+
+
+#: (autocast dtype A, x's dtype) with logits in A and float32 parameters: the fused combinations.
+RECOMPUTE_AUTOCAST_CASES = [
+    pytest.param(AC, torch.float32, id="bf16-x_fp32"),
+    pytest.param(AC, AC, id="bf16-x_bf16"),
+    pytest.param(torch.float16, torch.float32, id="fp16-x_fp32"),
+    pytest.param(torch.float16, torch.float16, id="fp16-x_fp16"),
+]
+
+
+@pytest.mark.parametrize("ste", [False, True], ids=["zero_grad", "straight_through"])
+@pytest.mark.parametrize("act", H.ACTIVATION_PARAMS)
+@pytest.mark.parametrize("ac,x_dtype", RECOMPUTE_AUTOCAST_CASES)
+def test_recomputed_mixed_under_autocast_gives_the_kept_gradients(ac, x_dtype, act, ste, device):
+    """keep_mixed=False under autocast(A) (bf16 or fp16; x float32 or A, logits in A, float32
+    parameters, which qbl casts inside: mixed recomputed from x and the stats in the GEMM's dtype
+    A), with every activation and both quantizer gradients, against keep_mixed=True in the same
+    region: out and every gradient bit for bit, also the weight gradient alone (mixed recomputed
+    without dgrad) -- the promise that the gradients are the same bits either way. Against
+    eager's activation + the reference module (ModelSTE's with straight_through) under the same
+    autocast, the gradients as H.check_autocast_grads holds them (eager's dtypes; grad_logits,
+    grad_weight and grad_bias within their bounds of float64; on the CPU eager's bits), and the
+    gradient of h bit for bit: with W = I and b = 0 (exact in A) g_mixed = grad_out exactly in
+    eager and in qbl, so it is eager's activation backward of eager's grad_x. Each with a general
+    weight and with W = I (the bits of h's gradient with W = I only)."""
+    d, lead = 64, (3, 37)
+    x, l, w_general, b_general = H.make_inputs(lead, d, d, torch.float32, device, seed=262)
+    x, l = x.to(x_dtype), l.to(ac)
+    g = H.make_grad_out((*lead, d), ac, device, seed=263)
+    fn_act = None if act == "none" else act
+    h = H.ACTIVATIONS[act](x)
+
+    def fn(keep):
+        def call(x_, l_, w_, b_):
+            with _autocast(device, ac):
+                return qbl.quant_blend_linear(x_, l_, w_, b_, straight_through=ste,
+                                              activation=fn_act, keep_mixed=keep)
+        return call
+
+    def eager(x_, l_, w_, b_):
+        with _autocast(device, ac):
+            return H.eager_forward(H.ACTIVATIONS[act](x_), l_, w_, b_, straight_through=ste).out
+
+    for weight, (w, b) in (("general weight", (w_general, b_general)),
+                           ("W = I", H.identity_layer_params(d, torch.float32, device))):
+        kept = H.run_autograd(fn(True), x, l, w, b, g)
+        recomputed = H.run_autograd(fn(False), x, l, w, b, g)
+        H.assert_bits_equal(recomputed.out, kept.out, f"{weight}: out")
+        for name in ("x", "logits", "weight", "bias"):
+            H.assert_bits_equal(getattr(recomputed, name), getattr(kept, name),
+                                f"{weight}: grad of {name}")
+        kept_w = H.run_autograd(fn(True), x, l, w, b, g, want=(False, False, True, False))
+        rec_w = H.run_autograd(fn(False), x, l, w, b, g, want=(False, False, True, False))
+        H.assert_bits_equal(rec_w.weight, kept_w.weight, f"{weight}: grad of weight alone")
+        e = H.run_autograd(eager, x, l, w, b, g)
+        with torch.no_grad(), _autocast(device, ac):
+            fwd = H.eager_forward(h, l, w, b, straight_through=ste)
+        H.check_autocast_grads(recomputed, e, h, l, w, fwd, g, ac, f"{weight}, recomputed: ")
+        if weight == "W = I":
+            H.assert_bits_equal(recomputed.x, e.x, "grad of h (W = I) vs eager's under autocast")
 
 
 def test_mixed_dtypes_outside_autocast_raise(device):
