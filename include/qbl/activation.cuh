@@ -185,10 +185,19 @@ struct Silu : detail::PreparedBackward<Silu> {
 /// Every activation, for a binding's dispatch and the tests.
 using Activations = TypeList<Identity, Gelu, GeluTanh, Relu, Silu>;
 
+/// What the layer's kernels need to know of an activation beyond its element functions.
+template <typename Act>
+struct ActivationTraits {
+  /// act(h) = h and its backward dy: nothing is evaluated or rounded, and grad_x needs no x.
+  static constexpr bool identity = std::is_same_v<Act, Identity>;
+  /// Does the gradient of the activation's input read that input (x)?
+  static constexpr bool grad_x_reads_x = !identity;
+};
+
 /// act(h) for a value h of type T, rounded to T as eager stores it.
 template <typename Act, typename T>
 QBL_HOST_DEVICE float activate(float h) {
-  if constexpr (std::is_same_v<Act, Identity>) {
+  if constexpr (ActivationTraits<Act>::identity) {
     return h;
   } else {
     return detail::round_to<T>(Act::forward(h));
@@ -198,7 +207,7 @@ QBL_HOST_DEVICE float activate(float h) {
 /// The activation's backward for the gradient dy (a value of T) at the input h, rounded to T.
 template <typename Act, typename T>
 QBL_HOST_DEVICE float activate_backward(float dy, float h) {
-  if constexpr (std::is_same_v<Act, Identity>) {
+  if constexpr (ActivationTraits<Act>::identity) {
     return dy;
   } else {
     return detail::round_to<T>(Act::backward(dy, h));
@@ -210,53 +219,6 @@ namespace detail {
 /// Is Act one of qbl's activations?
 template <typename Act>
 inline constexpr bool is_activation = contains_type<Activations, Act>;
-
-/// act applied to each element of a vector of T.
-template <typename Act, typename T, int N>
-__device__ __forceinline__ Vec<T, N> activate_vec(const Vec<T, N>& h) {
-  if constexpr (std::is_same_v<Act, Identity>) {
-    return h;
-  } else {
-    Vec<T, N> x;
-#pragma unroll
-    for (int j = 0; j < N; ++j) x.v[j] = from_float<T>(Act::forward(to_float(h.v[j])));
-    return x;
-  }
-}
-
-/// The activation's backward applied to each element of a gradient vector dy at the inputs h.
-template <typename Act, typename T, int N>
-__device__ __forceinline__ Vec<T, N> activate_backward_vec(const Vec<T, N>& dy,
-                                                           const Vec<T, N>& h) {
-  if constexpr (std::is_same_v<Act, Identity>) {
-    return dy;
-  } else {
-    Vec<T, N> out;
-#pragma unroll
-    for (int j = 0; j < N; ++j)
-      out.v[j] = from_float<T>(Act::backward(to_float(dy.v[j]), to_float(h.v[j])));
-    return out;
-  }
-}
-
-/// act(h) and its backward for dy, elementwise, each rounded to T: what activate_vec and
-/// activate_backward_vec give, evaluating what the two share once.
-template <typename Act, typename T, int N>
-__device__ __forceinline__ void activate_both_vec(const Vec<T, N>& dy, const Vec<T, N>& h,
-                                                  Vec<T, N>& x, Vec<T, N>& dh) {
-  if constexpr (std::is_same_v<Act, Identity>) {
-    x = h;
-    dh = dy;
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      float y, d;
-      Act::both(to_float(dy.v[j]), to_float(h.v[j]), y, d);
-      x.v[j] = from_float<T>(y);
-      dh.v[j] = from_float<T>(d);
-    }
-  }
-}
 
 }  // namespace detail
 }  // namespace qbl

@@ -1,17 +1,19 @@
 // Tables of an activation in shared memory: for bfloat16 inputs, the kernels look act(h) and
-// prepare()'s numbers up instead of evaluating erf, tanh or exp per element.
+// prepare()'s numbers up instead of evaluating erf, tanh or exp per element, and the vector forms
+// of the activation that every element kernel calls (activate_vec, activate_backward_vec,
+// activate_both_vec), written once for a table or none (NoTable).
 //
-// Evaluated per element, GELU and SiLU make qbl's element kernels bound by instruction issue: on
-// an H200 they took about twice the time of the same kernels without an activation. A bfloat16
-// has only 65,536 values, and those a layer sees lie almost all in a few binades, so each block
-// first evaluates the activation for the 4,096 bfloat16 values of magnitude in [2^-12, 16) -- with
-// the very device functions the kernels would otherwise call, so every entry has their bits --
-// and then every element of that range costs a shared-memory load. Inputs outside the range
-// (zeros, tiny and huge values, Inf, NaN) are evaluated as before, after the lookups of their
-// vector, only where a vector has one. The results are those of the arithmetic for every input.
+// Evaluated per element, GELU and SiLU make qbl's element kernels bound by instruction issue
+// (benchmarks/HISTORY.md has the measurements). A bfloat16 has only 65,536 values, and those a
+// layer sees lie almost all in a few binades, so each block first evaluates the activation for
+// the 4,096 bfloat16 values of magnitude in [2^-12, 16) -- with the very device functions the
+// kernels would otherwise call, so every entry has their bits -- and then every element of that
+// range costs a shared-memory load. Inputs outside the range (zeros, tiny and huge values, Inf,
+// NaN) are evaluated as before, after the lookups of their vector, only where a vector has one.
+// The results are those of the arithmetic for every input.
 //
-// fp16 and fp32 inputs, ReLU and the identity have no table (ActivationTable<...>::enabled is
-// false): their kernels evaluate as before.
+// fp16 and fp32 inputs, ReLU and the identity have no table (ActivationTable<...> is NoTable):
+// their kernels evaluate.
 #pragma once
 
 #include <qbl/activation.cuh>
@@ -56,22 +58,27 @@ QBL_HOST_DEVICE std::uint16_t table_input_bits(int i) {
                                     ((u & (table_span - 1)) + table_low));
 }
 
+/// Registers per thread that kernels with an activation table are held to (through
+/// __launch_bounds__' minimum of resident blocks). Tuned on an H200 (sm_90, 8192 x 8192 bf16,
+/// GELU); benchmarks/HISTORY.md has the measurements.
+inline constexpr int table_max_registers_sm90 = 80;
+
 /// Blocks of `threads` threads a multiprocessor should hold at once where kernels look an
-/// activation up in a table (their __launch_bounds__' second argument): at most 80 registers a
-/// thread, three blocks of 256. On an H200 (8192 x 8192 bf16, GELU) this made the prologue 9 %
-/// faster than no bound, and a bound of 64 registers (spills) made the backward slower. 0
-/// elsewhere, which __launch_bounds__ takes as no bound (an explicit 1 changes ptxas's choices).
+/// activation up in a table (their __launch_bounds__' second argument); 0 elsewhere, which
+/// __launch_bounds__ takes as no bound (an explicit 1 changes ptxas's choices).
 template <bool TABLE>
 inline constexpr int table_min_blocks(int threads) {
-  return TABLE ? 65536 / (80 * threads) : 0;
+  return TABLE ? 65536 / (table_max_registers_sm90 * threads) : 0;
 }
 
 /// No table: every lookup evaluates the activation (fp16, fp32, ReLU, the identity).
-template <typename Act, typename T, bool DERIVATIVE, typename Enable = void>
-struct ActivationTable {
+struct NoTable {
   static constexpr bool enabled = false;
   __device__ __forceinline__ void fill(bool) {}
 };
+
+template <typename Act, typename T, bool DERIVATIVE, typename Enable = void>
+struct ActivationTable : NoTable {};
 
 /// The table of a tabulated activation for bfloat16 inputs: act(h) rounded to bfloat16 and, with
 /// DERIVATIVE, prepare()'s `terms` numbers. A __shared__ object, filled by the whole block. With
@@ -179,75 +186,99 @@ __device__ __noinline__ float2 activate_both_miss(float dy, float h) {
   return make_float2(to_float(from_float<T>(y)), to_float(from_float<T>(d)));
 }
 
-/// act applied to each element of a vector of T (activate_vec), from a table where it has one.
-template <typename Act, typename T, int N, typename Table>
-__device__ __forceinline__ Vec<T, N> activate_vec(const Vec<T, N>& h, const Table& table) {
-  if constexpr (!Table::enabled) {
-    return activate_vec<Act>(h);
+/// act applied to each element of a vector of T, rounded to T, from `table` where it has one.
+template <typename Act, typename T, int N, typename Table = NoTable>
+__device__ __forceinline__ Vec<T, N> activate_vec(const Vec<T, N>& h, const Table& table = {}) {
+  if constexpr (ActivationTraits<Act>::identity) {
+    return h;
   } else {
     Vec<T, N> x;
     std::uint32_t miss = 0;
 #pragma unroll
-    for (int j = 0; j < N; ++j)
-      x.v[j] = table.value(table_slot(__bfloat16_as_ushort(h.v[j]), miss));
-    if (miss != 0) {  // rare: outside the table's range
+    for (int j = 0; j < N; ++j) {
+      if constexpr (Table::enabled) {
+        x.v[j] = table.value(table_slot(__bfloat16_as_ushort(h.v[j]), miss));
+      } else {
+        x.v[j] = from_float<T>(Act::forward(to_float(h.v[j])));
+      }
+    }
+    if constexpr (Table::enabled) {
+      if (miss != 0) {  // rare: outside the table's range
 #pragma unroll
-      for (int j = 0; j < N; ++j)
-        if (table_index(__bfloat16_as_ushort(h.v[j])) < 0)
-          x.v[j] = from_float<T>(activate_miss<Act, T>(to_float(h.v[j])));
+        for (int j = 0; j < N; ++j)
+          if (table_index(__bfloat16_as_ushort(h.v[j])) < 0)
+            x.v[j] = from_float<T>(activate_miss<Act, T>(to_float(h.v[j])));
+      }
     }
     return x;
   }
 }
 
-/// The activation's backward for a gradient vector dy at the inputs h (activate_backward_vec),
-/// from a table where it has one.
-template <typename Act, typename T, int N, typename Table>
+/// The activation's backward for a gradient vector dy at the inputs h, rounded to T, from
+/// `table` where it has one.
+template <typename Act, typename T, int N, typename Table = NoTable>
 __device__ __forceinline__ Vec<T, N> activate_backward_vec(const Vec<T, N>& dy, const Vec<T, N>& h,
-                                                           const Table& table) {
-  if constexpr (!Table::enabled) {
-    return activate_backward_vec<Act>(dy, h);
+                                                           const Table& table = {}) {
+  if constexpr (ActivationTraits<Act>::identity) {
+    return dy;
   } else {
     Vec<T, N> out;
     std::uint32_t miss = 0;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const std::uint32_t i = table_slot(__bfloat16_as_ushort(h.v[j]), miss);
-      out.v[j] = from_float<T>(table.gradient(to_float(dy.v[j]), i));
+      if constexpr (Table::enabled) {
+        const std::uint32_t i = table_slot(__bfloat16_as_ushort(h.v[j]), miss);
+        out.v[j] = from_float<T>(table.gradient(to_float(dy.v[j]), i));
+      } else {
+        out.v[j] = from_float<T>(Act::backward(to_float(dy.v[j]), to_float(h.v[j])));
+      }
     }
-    if (miss != 0) {
+    if constexpr (Table::enabled) {
+      if (miss != 0) {
 #pragma unroll
-      for (int j = 0; j < N; ++j)
-        if (table_index(__bfloat16_as_ushort(h.v[j])) < 0)
-          out.v[j] =
-              from_float<T>(activate_backward_miss<Act, T>(to_float(dy.v[j]), to_float(h.v[j])));
+        for (int j = 0; j < N; ++j)
+          if (table_index(__bfloat16_as_ushort(h.v[j])) < 0)
+            out.v[j] =
+                from_float<T>(activate_backward_miss<Act, T>(to_float(dy.v[j]), to_float(h.v[j])));
+      }
     }
     return out;
   }
 }
 
-/// act(h) and its backward for dy (activate_both_vec), from a table where it has one.
-template <typename Act, typename T, int N, typename Table>
+/// act(h) and its backward for dy, elementwise, each rounded to T: what activate_vec and
+/// activate_backward_vec give, evaluating (or looking up) what the two share once.
+template <typename Act, typename T, int N, typename Table = NoTable>
 __device__ __forceinline__ void activate_both_vec(const Vec<T, N>& dy, const Vec<T, N>& h,
-                                                  Vec<T, N>& x, Vec<T, N>& dh, const Table& table) {
-  if constexpr (!Table::enabled) {
-    activate_both_vec<Act>(dy, h, x, dh);
+                                                  Vec<T, N>& x, Vec<T, N>& dh,
+                                                  const Table& table = {}) {
+  if constexpr (ActivationTraits<Act>::identity) {
+    x = h;
+    dh = dy;
   } else {
     std::uint32_t miss = 0;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const std::uint32_t i = table_slot(__bfloat16_as_ushort(h.v[j]), miss);
       float d;
-      table.both(to_float(dy.v[j]), i, x.v[j], d);
+      if constexpr (Table::enabled) {
+        const std::uint32_t i = table_slot(__bfloat16_as_ushort(h.v[j]), miss);
+        table.both(to_float(dy.v[j]), i, x.v[j], d);
+      } else {
+        float y;
+        Act::both(to_float(dy.v[j]), to_float(h.v[j]), y, d);
+        x.v[j] = from_float<T>(y);
+      }
       dh.v[j] = from_float<T>(d);
     }
-    if (miss != 0) {
+    if constexpr (Table::enabled) {
+      if (miss != 0) {
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        if (table_index(__bfloat16_as_ushort(h.v[j])) < 0) {
-          const float2 r = activate_both_miss<Act, T>(to_float(dy.v[j]), to_float(h.v[j]));
-          x.v[j] = from_float<T>(r.x);
-          dh.v[j] = from_float<T>(r.y);
+        for (int j = 0; j < N; ++j) {
+          if (table_index(__bfloat16_as_ushort(h.v[j])) < 0) {
+            const float2 r = activate_both_miss<Act, T>(to_float(dy.v[j]), to_float(h.v[j]));
+            x.v[j] = from_float<T>(r.x);
+            dh.v[j] = from_float<T>(r.y);
+          }
         }
       }
     }

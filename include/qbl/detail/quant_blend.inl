@@ -256,7 +256,7 @@ QBL_KERNEL void __launch_bounds__(BLOCK_THREADS)
   __shared__ typename BlockAmax::TempStorage temp;
   __shared__ float shared_scale;
   __shared__ GateTable<QuantBlendMath<X, G, L, N>, BLOCK_THREADS, single_block_vectors> table;
-  const ActivationTable<Act, void, false> no_table;
+  const NoTable no_table;
   const std::uint32_t m = BlockAmax(temp).reduce_bits(thread_abs_max_bits<X, N, Act>(
       x, tokens * features, head, threadIdx.x, BLOCK_THREADS, no_table));
   if (threadIdx.x == 0) {
