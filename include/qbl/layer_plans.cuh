@@ -77,6 +77,11 @@ struct ForwardArgs {
   const L* logits = nullptr;
   const G* weight = nullptr;
   const G* bias = nullptr;
+  /// Or, for a 16-bit G, the weight (and bias) in float32 as a framework keeps its parameters
+  /// under autocast, in place of `weight` (`bias`): run() casts them to G (round to nearest even,
+  /// autocast's cast) into its workspace, of workspace_bytes(args).
+  const float* weight_fp32 = nullptr;
+  const float* bias_fp32 = nullptr;
   G* out = nullptr;
   G* mixed = nullptr;
   float* stats = nullptr;
@@ -119,6 +124,8 @@ class ForwardPlan {
   std::size_t workspace_bytes() const noexcept {
     return workspace_bytes_for(gemm_.workspace_bytes());
   }
+  /// The same for a run of `args`: more where it casts a float32 weight or bias (weight_fp32).
+  std::size_t workspace_bytes(const Arguments& args) const noexcept;
 
   /// The same for a plan made with Options::cublas_workspace_bytes = `cublas_workspace_bytes`.
   static std::size_t workspace_bytes_for(std::size_t cublas_workspace_bytes) noexcept;
@@ -214,6 +221,9 @@ struct BackwardArgs {
   const X* x = nullptr;
   const L* logits = nullptr;
   const G* weight = nullptr;
+  /// Or, for a 16-bit G, the weight in float32 (a framework's parameter under autocast), in place
+  /// of `weight`: run() casts it to G into its workspace, beside wgrad.
+  const float* weight_fp32 = nullptr;
   const G* mixed = nullptr;
   const float* stats = nullptr;
   std::int64_t tokens = 0;
@@ -227,6 +237,37 @@ struct BackwardArgs {
   bool accumulate = false;
   /// The gradient through the fake quantizer: the reference's zero, or straight-through.
   QuantGrad quant_grad = QuantGrad::zero;
+};
+
+/// Where a backward gets the `mixed` that wgrad reads.
+enum class MixedSource {
+  given,                         ///< BackwardArgs::mixed, as the forward wrote it (or no wgrad)
+  recomputed_beside,             ///< a kernel of its own on the side stream, ahead of wgrad
+  recomputed_in_element_kernel,  ///< the element kernel writes it too; wgrad runs after it
+};
+
+/// What one backward call does: derived once from its arguments by BackwardPlan::describe, and
+/// read by the plan's argument check, its workspace layout, its schedule and its choice of the
+/// element kernel. docs/api.md tabulates it.
+struct BackwardDescription {
+  bool runs = false;  ///< tokens > 0 and at least one gradient wanted
+  // What runs.
+  bool dgrad = false;   ///< the dgrad GEMM and the element kernel (grad_x or grad_logits)
+  bool wgrad = false;   ///< the wgrad GEMM (grad_weight)
+  bool bias = false;    ///< the bias gradient's column sum (grad_bias)
+  bool beside = false;  ///< dgrad and wgrad/bias both run, and overlaps(tokens): wgrad may fork
+  bool fork = false;    ///< beside, and a side stream given: wgrad and bias on it
+  MixedSource mixed = MixedSource::given;
+  bool cast_weight = false;      ///< weight_fp32 given and dgrad runs: cast into the workspace
+  bool g_mixed_scratch = false;  ///< dgrad's product in the workspace (not formed in grad_x)
+  /// The element kernel on the caller's stream: what it writes (qbl::detail's variant list).
+  bool element_grad_x = false, element_grad_logits = false, element_mixed = false;
+  // What is read.
+  bool reads_x = false;       ///< grad_logits, a recomputed mixed, or an activation's grad_x
+  bool reads_gate = false;    ///< logits and stats: dgrad, or a recomputed mixed
+  bool reads_weight = false;  ///< weight (or weight_fp32): dgrad
+  bool reads_mixed = false;   ///< mixed: wgrad with mixed given
+  bool recomputes() const noexcept { return mixed != MixedSource::given; }
 };
 
 /// The backward, as the autograd of the reference module (g = grad_out):
@@ -293,6 +334,9 @@ class BackwardPlan {
   /// Does a run with `tokens` tokens (and a side stream) put wgrad beside dgrad?
   bool overlaps(std::int64_t tokens) const noexcept { return tokens <= overlap_tokens_; }
 
+  /// What run(args, ..., side) does, with a side stream given or not (`side_stream`).
+  BackwardDescription describe(const Arguments& args, bool side_stream = true) const noexcept;
+
   const GemmPlan<G>& dgrad() const noexcept { return dgrad_; }
   const GemmPlan<G>& wgrad() const noexcept { return wgrad_; }
   std::int64_t in_features() const noexcept { return dgrad_.spec().m; }
@@ -303,19 +347,11 @@ class BackwardPlan {
  private:
   struct Layout;  // offsets of the workspace's parts
   static Layout layout_for(std::int64_t in, std::int64_t out, std::int64_t tokens,
-                           std::size_t cublas_workspace_bytes, bool two_gemm_workspaces,
-                           bool g_mixed, bool recompute) noexcept;
-  Layout layout(const Arguments& args) const noexcept;
-  /// Is mixed recomputed in this run (grad_weight wanted, no mixed given)?
-  static bool recomputes(const Arguments& a) noexcept {
-    return a.grad_weight != nullptr && a.mixed == nullptr;
-  }
-  /// Does this run read x: for grad_logits, a recomputed mixed, or an activation's grad_x?
-  static bool needs_x(const Arguments& a) noexcept {
-    return a.grad_logits != nullptr || recomputes(a) ||
-           (a.grad_x != nullptr && !std::is_same_v<Act, Identity>);
-  }
-  detail::Check check(const Arguments& args) const noexcept;
+                           std::size_t cublas_workspace_bytes,
+                           const BackwardDescription& d) noexcept;
+  /// The description with every part a run of `tokens` tokens can have: the most workspace.
+  static BackwardDescription largest(bool beside) noexcept;
+  detail::Check check(const Arguments& args, const BackwardDescription& d) const noexcept;
 
   GemmPlan<G> dgrad_, wgrad_;
   std::int64_t overlap_tokens_ = 0;  ///< wgrad beside dgrad up to this token count

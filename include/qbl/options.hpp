@@ -64,11 +64,10 @@ struct Options {
   bool backward = false;
 
   /// The backward's weight gradient (and bias gradient) on a second stream beside its input
-  /// gradient, or serialized with it on the caller's stream. by_shape: beside each other wherever
-  /// the plan has measured it to pay, which on an H200 is every shape so far
-  /// (benchmarks/HISTORY.md); qbl::BackwardPlan::overlaps() says which. The bits are the same
-  /// either way. Beside each other needs a qbl::SideStream passed to BackwardPlan::run
-  /// (qbl::QuantBlendLinear owns one).
+  /// gradient, or serialized with it on the caller's stream. by_shape: beside each other at every
+  /// shape, as no shape at which that stops paying has been measured (benchmarks/HISTORY.md);
+  /// qbl::BackwardPlan::overlaps() says which. The bits are the same either way. Beside each other
+  /// needs a qbl::SideStream passed to BackwardPlan::run (qbl::QuantBlendLinear owns one).
   Choice overlap_wgrad = Choice::by_shape;
 
   /// Device memory of the instance and of its planning (default: cudaMalloc / cudaFree).

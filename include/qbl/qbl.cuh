@@ -9,6 +9,7 @@
 
 #include <qbl/activation.cuh>
 #include <qbl/amax.cuh>
+#include <qbl/bias_grad.cuh>
 #include <qbl/element_math.hpp>
 #include <qbl/error.hpp>
 #include <qbl/gemm.cuh>

@@ -12,15 +12,46 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 namespace qbl::detail {
 
 inline constexpr int backward_block_threads = 256;
 inline constexpr int backward_rows_per_block = backward_block_threads / 32;  // a warp per row
-/// Vectors of a row each lane loads before it computes on them: independent loads in flight. Two
-/// keep the bf16 kernel under 64 registers, so that a multiprocessor holds 32 of its warps: enough
-/// bytes in flight for long rows, and rows enough for short ones.
+/// Vectors of a row each lane loads before it computes on them: independent loads in flight.
+/// Tuned on an H200 (sm_90): the bf16 kernel then stays under 64 registers (benchmarks/HISTORY.md).
 inline constexpr int backward_vectors_in_flight = 2;
+
+/// The element kernel's compiled variants: MIXED, it writes a recomputed mixed; BOTH, it writes
+/// both gradients, grad_x and grad_logits (training's usual call), so that its loop holds only
+/// that path. Within a variant, which one gradient (or none, beside MIXED) a launch writes is a
+/// run-time choice. Each variant runs with 16-byte vectors or, where a buffer or the row length
+/// does not allow them, element by element. Listed once: the dispatch (backward_kernel_variant)
+/// and the block limit (backward_max_blocks) both read this list.
+struct BackwardKernelVariant {
+  bool mixed;
+  bool both;
+};
+inline constexpr BackwardKernelVariant backward_kernel_variants[] = {
+    {false, false}, {false, true}, {true, false}, {true, true}};
+inline constexpr int backward_kernel_variant_count =
+    static_cast<int>(sizeof backward_kernel_variants / sizeof backward_kernel_variants[0]);
+
+/// The variant that writes these outputs (a non-null pointer: wanted).
+constexpr int backward_kernel_variant(bool grad_x, bool grad_logits, bool mixed) {
+  for (int i = 0; i < backward_kernel_variant_count; ++i)
+    if (backward_kernel_variants[i].mixed == mixed &&
+        backward_kernel_variants[i].both == (grad_x && grad_logits))
+      return i;
+  return -1;
+}
+
+/// Does the element kernel read x to write these outputs: for grad_logits's sums, for a
+/// recomputed mixed, and for grad_x where the activation's gradient reads its input?
+template <typename Act>
+QBL_HOST_DEVICE constexpr bool backward_reads_x(bool grad_x, bool grad_logits, bool mixed) {
+  return grad_logits || mixed || (grad_x && ActivationTraits<Act>::grad_x_reads_x);
+}
 
 /// A compensated fp32 sum (Kahan's): each term's rounding error is carried into the next one, so
 /// the result is within about 2u sum |terms| of the exact sum however many terms there are
@@ -161,10 +192,7 @@ struct QuantBlendGradMath<T, T, T, N, std::enable_if_t<(N > 1 && N % 2 == 0 && s
 /// writes it, and a lane's loads of a group all come before its stores), so neither carries
 /// __restrict__.
 ///
-/// BOTH: grad_x and grad_logits are both wanted (training's usual call), known when compiling,
-/// so that the loop holds only that path: the same arithmetic, fewer instructions (sm_90 PTX,
-/// bf16: 289 against 231 for the identity, 1034 against 563 with GELU's table, whose three
-/// lookup paths the runtime flags kept).
+/// MIXED and BOTH: the variant (backward_kernel_variants).
 template <typename X, typename G, typename L, typename Act, bool MIXED, int N, bool BOTH>
 QBL_KERNEL void __launch_bounds__(
     backward_block_threads,
@@ -174,11 +202,9 @@ QBL_KERNEL void __launch_bounds__(
                                 X* grad_x, L* __restrict__ grad_logits, G* __restrict__ mixed,
                                 std::int64_t tokens, std::int64_t features, QuantGrad quant_grad) {
   constexpr int U = backward_vectors_in_flight;
-  constexpr bool identity = std::is_same_v<Act, Identity>;
   const bool want_logits = BOTH || grad_logits != nullptr, want_x = BOTH || grad_x != nullptr;
   const bool want_g = want_logits || want_x;
-  // x (h) is read for the sums, for the recomputed mixed and for the activation's backward.
-  const bool read_x = want_logits || MIXED || (want_x && !identity);
+  const bool read_x = backward_reads_x<Act>(want_x, want_logits, MIXED);
   using Table = ActivationTable<Act, X, true>;
   __shared__ Table table;
   fill_table(table, want_x);
@@ -259,79 +285,81 @@ QBL_KERNEL void __launch_bounds__(
   }
 }
 
-template <typename X, typename G, typename L, typename Act, bool MIXED, int N>
-cudaError_t launch_quant_blend_backward_kernel(const G* g_mixed, const X* x, const L* logits,
-                                               const float* scale, X* grad_x, L* grad_logits,
-                                               G* mixed, std::int64_t tokens, std::int64_t features,
-                                               QuantGrad quant_grad, int max_blocks,
-                                               cudaStream_t stream) {
+/// Variant V of the element kernel at width N.
+template <typename X, typename G, typename L, typename Act, int V, int N>
+inline constexpr auto backward_kernel =
+    quant_blend_backward_kernel<X, G, L, Act, backward_kernel_variants[V].mixed, N,
+                                backward_kernel_variants[V].both>;
+
+/// Calls f(std::integral_constant<int, V>{}) for the variant V == variant.
+template <typename F, int... V>
+void with_backward_kernel_variant(int variant, F&& f, std::integer_sequence<int, V...>) {
+  ((V == variant ? f(std::integral_constant<int, V>{}) : void()), ...);
+}
+
+/// Calls f(kernel) for every variant of backward_kernel_variants at both widths.
+template <typename X, typename G, typename L, typename Act, typename F, int... V>
+void with_each_backward_kernel(F&& f, std::integer_sequence<int, V...>) {
+  constexpr int N = vec16<X>;
+  (f(reinterpret_cast<const void*>(backward_kernel<X, G, L, Act, V, N>)), ...);
+  (f(reinterpret_cast<const void*>(backward_kernel<X, G, L, Act, V, 1>)), ...);
+}
+
+/// The element kernel's launch: the variant its outputs call for, with 16-byte vectors where
+/// every buffer it touches allows them.
+template <typename X, typename G, typename L, typename Act>
+cudaError_t launch_backward_kernel(const G* g_mixed, const X* x, const L* logits,
+                                   const float* scale, X* grad_x, L* grad_logits, G* mixed,
+                                   std::int64_t tokens, std::int64_t features, QuantGrad quant_grad,
+                                   int max_blocks, cudaStream_t stream) {
+  constexpr int N = vec16<X>;
+  const bool want_x = grad_x != nullptr, want_logits = grad_logits != nullptr;
+  const bool write_mixed = mixed != nullptr;
+  const bool vec =
+      features % N == 0 && (!(want_x || want_logits) || is_aligned(g_mixed, N * sizeof(G))) &&
+      (!backward_reads_x<Act>(want_x, want_logits, write_mixed) || is_aligned(x, 16)) &&
+      (!want_x || is_aligned(grad_x, 16)) && (!write_mixed || is_aligned(mixed, N * sizeof(G)));
   std::int64_t blocks = ceil_div<std::int64_t>(tokens, backward_rows_per_block);
   // Without a table each warp takes one row only: the kernel returns after it.
   if (ActivationTable<Act, X, true>::enabled && max_blocks > 0 && blocks > max_blocks)
     blocks = max_blocks;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(blocks));
-  if (grad_x != nullptr && grad_logits != nullptr) {
-    quant_blend_backward_kernel<X, G, L, Act, MIXED, N, true>
-        <<<grid, backward_block_threads, 0, stream>>>(
+  with_backward_kernel_variant(
+      backward_kernel_variant(want_x, want_logits, write_mixed),
+      [&](auto v) {
+        const auto kernel = vec ? backward_kernel<X, G, L, Act, decltype(v)::value, N>
+                                : backward_kernel<X, G, L, Act, decltype(v)::value, 1>;
+        kernel<<<grid, backward_block_threads, 0, stream>>>(
             g_mixed, x, logits, scale, grad_x, grad_logits, mixed, tokens, features, quant_grad);
-  } else {
-    quant_blend_backward_kernel<X, G, L, Act, MIXED, N, false>
-        <<<grid, backward_block_threads, 0, stream>>>(
-            g_mixed, x, logits, scale, grad_x, grad_logits, mixed, tokens, features, quant_grad);
-  }
+      },
+      std::make_integer_sequence<int, backward_kernel_variant_count>{});
   return cudaGetLastError();
-}
-
-template <typename X, typename G, typename L, typename Act, bool MIXED>
-cudaError_t launch_quant_blend_backward_width(const G* g_mixed, const X* x, const L* logits,
-                                              const float* scale, X* grad_x, L* grad_logits,
-                                              G* mixed, std::int64_t tokens, std::int64_t features,
-                                              QuantGrad quant_grad, int max_blocks,
-                                              cudaStream_t stream) {
-  constexpr int N = vec16<X>;
-  const bool want_g = grad_x != nullptr || grad_logits != nullptr;
-  const bool read_x =
-      grad_logits != nullptr || MIXED || (grad_x != nullptr && !std::is_same_v<Act, Identity>);
-  const bool vec = features % N == 0 && (!want_g || is_aligned(g_mixed, N * sizeof(G))) &&
-                   (!read_x || is_aligned(x, 16)) &&
-                   (grad_x == nullptr || is_aligned(grad_x, 16)) &&
-                   (!MIXED || is_aligned(mixed, N * sizeof(G)));
-  return vec ? launch_quant_blend_backward_kernel<X, G, L, Act, MIXED, N>(
-                   g_mixed, x, logits, scale, grad_x, grad_logits, mixed, tokens, features,
-                   quant_grad, max_blocks, stream)
-             : launch_quant_blend_backward_kernel<X, G, L, Act, MIXED, 1>(
-                   g_mixed, x, logits, scale, grad_x, grad_logits, mixed, tokens, features,
-                   quant_grad, max_blocks, stream);
 }
 
 /// The most blocks a backward launch for these types needs (its max_blocks argument): where the
 /// activation has a table, as many as the multiprocessors hold at once of the least resident
-/// kernel variant, so that each block fills its table once and then loops over rows; else 0 (a
-/// block per 8 rows). Asked of the current device once per plan (no synchronization).
+/// variant of backward_kernel_variants (at either width), so that each block fills its table
+/// once and then loops over rows; else 0 (a block per 8 rows). Asked of the current device once
+/// per plan (no synchronization).
 template <typename X, typename G, typename L, typename Act>
 cudaError_t backward_max_blocks(int* max_blocks) {
   *max_blocks = 0;
   if constexpr (ActivationTable<Act, X, true>::enabled) {
     int sms = 0;
     QBL_CUDA_RETURN_IF_ERROR(sm_count(&sms));
-    constexpr int N = vec16<X>;
-    const void* kernels[] = {
-        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, false, N, false>),
-        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, true, N, false>),
-        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, false, 1, false>),
-        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, true, 1, false>),
-        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, false, N, true>),
-        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, true, N, true>),
-        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, false, 1, true>),
-        reinterpret_cast<const void*>(quant_blend_backward_kernel<X, G, L, Act, true, 1, true>)};
     int least = 0;
-    for (const void* k : kernels) {
-      int resident = 0;
-      QBL_CUDA_RETURN_IF_ERROR(
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, k, backward_block_threads, 0));
-      least = least == 0 ? resident : std::min(least, resident);
-    }
+    cudaError_t error = cudaSuccess;
+    auto resident = [&](const void* kernel) {
+      int r = 0;
+      if (error == cudaSuccess)
+        error =
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, kernel, backward_block_threads, 0);
+      least = least == 0 ? r : std::min(least, r);
+    };
+    with_each_backward_kernel<X, G, L, Act>(
+        resident, std::make_integer_sequence<int, backward_kernel_variant_count>{});
+    QBL_CUDA_RETURN_IF_ERROR(error);
     *max_blocks = sms * std::max(least, 1);
   }
   return cudaSuccess;
@@ -340,172 +368,27 @@ cudaError_t backward_max_blocks(int* max_blocks) {
 /// The quant-blend stage's backward (qbl::quant_blend_backward's body; the backward plan calls it
 /// directly): grad_x (of the activation's input, with an activation) and grad_logits from
 /// g_mixed, and -- where `mixed` is not null -- the forward's mixed recomputed for the wgrad GEMM.
-/// Checks, then one kernel with 16-byte vectors where every buffer allows them.
+/// Checks, then one kernel launch.
 template <typename X, typename G, typename L, typename Act = Identity>
 cudaError_t launch_quant_blend_backward(const G* d_g_mixed, const X* d_x, const L* d_logits,
                                         const float* d_scale, X* d_grad_x, L* d_grad_logits,
                                         G* d_mixed, std::int64_t tokens, std::int64_t features,
                                         QuantGrad quant_grad, int max_blocks, cudaStream_t stream) {
   if (tokens < 0 || features <= 0) return cudaErrorInvalidValue;
-  const bool want_g = d_grad_x != nullptr || d_grad_logits != nullptr;
-  if (tokens == 0 || (!want_g && d_mixed == nullptr)) return cudaSuccess;
-  const bool read_x = d_grad_logits != nullptr || d_mixed != nullptr ||
-                      (d_grad_x != nullptr && !std::is_same_v<Act, Identity>);
-  if ((want_g && d_g_mixed == nullptr) || d_logits == nullptr || d_scale == nullptr ||
-      (read_x && d_x == nullptr))
+  const bool want_x = d_grad_x != nullptr, want_logits = d_grad_logits != nullptr;
+  if (tokens == 0 || !(want_x || want_logits || d_mixed != nullptr)) return cudaSuccess;
+  if (((want_x || want_logits) && d_g_mixed == nullptr) || d_logits == nullptr ||
+      d_scale == nullptr ||
+      (backward_reads_x<Act>(want_x, want_logits, d_mixed != nullptr) && d_x == nullptr))
     return cudaErrorInvalidValue;
   // In place only where the two are one type: grad_x over g_mixed itself.
   if constexpr (!std::is_same_v<G, X>) {
-    if (d_grad_x != nullptr &&
-        static_cast<const void*>(d_grad_x) == static_cast<const void*>(d_g_mixed))
+    if (want_x && static_cast<const void*>(d_grad_x) == static_cast<const void*>(d_g_mixed))
       return cudaErrorInvalidValue;
   }
-  return d_mixed != nullptr ? launch_quant_blend_backward_width<X, G, L, Act, true>(
-                                  d_g_mixed, d_x, d_logits, d_scale, d_grad_x, d_grad_logits,
-                                  d_mixed, tokens, features, quant_grad, max_blocks, stream)
-                            : launch_quant_blend_backward_width<X, G, L, Act, false>(
-                                  d_g_mixed, d_x, d_logits, d_scale, d_grad_x, d_grad_logits,
-                                  nullptr, tokens, features, quant_grad, max_blocks, stream);
-}
-
-// ---- the bias gradient: column sums ----------------------------------------------------------
-
-inline constexpr int column_sum_threads = 256;
-inline constexpr int column_sum_lanes = 32;  ///< column vectors per block (one warp's width)
-inline constexpr int column_sum_row_lanes = column_sum_threads / column_sum_lanes;
-inline constexpr int column_sum_rows_in_flight = 8;  ///< rows each thread loads before adding
-inline constexpr int column_sum_max_splits = 64;     ///< row ranges (bias_grad_workspace_bytes)
-static_assert(qbl::bias_grad_workspace_bytes(1) == column_sum_max_splits * sizeof(float),
-              "bias_grad_workspace_bytes must hold column_sum_max_splits partial sums per column");
-
-/// Row ranges for a column sum of [rows, cols] in vectors of N on `sms` multiprocessors: enough
-/// blocks for about four per multiprocessor, each range at least 64 rows (one pass of eight rows
-/// per row lane), at most column_sum_max_splits; 1 without a workspace.
-inline int column_sum_splits(std::int64_t rows, std::int64_t cols, int n, int sms, bool workspace) {
-  if (!workspace || rows <= 0) return 1;
-  const std::int64_t col_blocks =
-      ceil_div<std::int64_t>(ceil_div<std::int64_t>(cols, n), column_sum_lanes);
-  const std::int64_t want = ceil_div<std::int64_t>(std::int64_t{sms} * 4, col_blocks);
-  return static_cast<int>(std::clamp<std::int64_t>(
-      std::min<std::int64_t>(want, ceil_div<std::int64_t>(rows, 64)), 1, column_sum_max_splits));
-}
-
-/// Column sums of g [rows, cols] over the rows of range blockIdx.y (of gridDim.y equal ranges):
-/// 32 lanes of N consecutive columns each, 8 row lanes taking every 8th row (4 rows' loads in
-/// flight), fp32 sums combined over the row lanes in order. One range: the result, rounded to T
-/// (and accumulated); several: fp32 partials[range][col] for column_sum_finish.
-template <typename T, int N>
-QBL_KERNEL void __launch_bounds__(column_sum_threads)
-    column_sum_kernel(const T* __restrict__ g, std::int64_t rows, std::int64_t cols,
-                      float* __restrict__ partials, T* __restrict__ out, bool accumulate) {
-  __shared__ float shared[column_sum_row_lanes][column_sum_lanes * N];
-  const int lane = static_cast<int>(threadIdx.x % column_sum_lanes);
-  const int row_lane = static_cast<int>(threadIdx.x / column_sum_lanes);
-  const std::int64_t col0 =
-      (static_cast<std::int64_t>(blockIdx.x) * column_sum_lanes + lane) * N;  // first column
-  const std::int64_t per_range = ceil_div<std::int64_t>(rows, gridDim.y);
-  const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * per_range;
-  const std::int64_t r1 = r0 + per_range < rows ? r0 + per_range : rows;
-  float acc[N] = {};
-  if (col0 < cols) {
-    constexpr int R = column_sum_rows_in_flight;
-    for (std::int64_t r = r0 + row_lane; r < r1; r += column_sum_row_lanes * R) {
-      Vec<T, N> v[R];
-#pragma unroll
-      for (int k = 0; k < R; ++k) {
-        const std::int64_t rr = r + k * column_sum_row_lanes;
-        if (rr < r1) v[k] = *reinterpret_cast<const Vec<T, N>*>(g + rr * cols + col0);
-      }
-#pragma unroll
-      for (int k = 0; k < R; ++k) {
-        if (r + k * column_sum_row_lanes >= r1) break;
-#pragma unroll
-        for (int j = 0; j < N; ++j) acc[j] = add_rn(acc[j], to_float(v[k].v[j]));
-      }
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < N; ++j) shared[row_lane][lane * N + j] = acc[j];
-  __syncthreads();
-  // Thread i of the block finishes columns i, i + 256, ... of the block's 32 * N.
-  for (int k = static_cast<int>(threadIdx.x); k < column_sum_lanes * N; k += column_sum_threads) {
-    const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * column_sum_lanes * N + k;
-    if (c >= cols) continue;
-    float total = shared[0][k];
-    for (int r = 1; r < column_sum_row_lanes; ++r) total = add_rn(total, shared[r][k]);
-    if (gridDim.y > 1) {
-      partials[static_cast<std::int64_t>(blockIdx.y) * cols + c] = total;
-    } else {
-      float v = round_to<T>(total);
-      if (accumulate) v = add_rn(to_float(out[c]), v);
-      out[c] = from_float<T>(v);
-    }
-  }
-}
-
-/// out[c] = RN_T(sum over ranges of partials[range][c]) (and accumulated): one warp per column,
-/// lane l adding ranges l, l + 32 in order, the lanes combined in a fixed butterfly --
-/// deterministic, and one round trip to L2 instead of one per range.
-inline constexpr int column_sum_finish_threads = 256;
-
-template <typename T>
-QBL_KERNEL void __launch_bounds__(column_sum_finish_threads)
-    column_sum_finish_kernel(const float* __restrict__ partials, int splits, std::int64_t cols,
-                             T* __restrict__ out, bool accumulate) {
-  const std::int64_t c =
-      static_cast<std::int64_t>(blockIdx.x) * (column_sum_finish_threads / 32) + threadIdx.x / 32;
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  if (c >= cols) return;
-  float total = 0.0f;
-  for (int s = lane; s < splits; s += 32) total = add_rn(total, partials[s * cols + c]);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2)
-    total = add_rn(total, __shfl_xor_sync(0xffffffffu, total, offset));
-  if (lane != 0) return;
-  float v = round_to<T>(total);
-  if (accumulate) v = add_rn(to_float(out[c]), v);
-  out[c] = from_float<T>(v);
-}
-
-template <typename T, int N>
-cudaError_t launch_column_sum_kernels(const T* g, T* out, std::int64_t rows, std::int64_t cols,
-                                      bool accumulate, float* partials, int splits,
-                                      cudaStream_t stream) {
-  const std::int64_t col_blocks =
-      ceil_div<std::int64_t>(ceil_div<std::int64_t>(cols, N), column_sum_lanes);
-  if (col_blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  column_sum_kernel<T, N>
-      <<<dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(splits)), column_sum_threads,
-         0, stream>>>(g, rows, cols, partials, out, accumulate);
-  QBL_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  if (splits == 1) return cudaSuccess;
-  const std::int64_t blocks = ceil_div<std::int64_t>(cols, column_sum_finish_threads / 32);
-  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  column_sum_finish_kernel<T>
-      <<<static_cast<unsigned>(blocks), column_sum_finish_threads, 0, stream>>>(
-          partials, splits, cols, out, accumulate);
-  return cudaGetLastError();
-}
-
-/// qbl::bias_grad with the multiprocessor count given (the backward plan asks for it once).
-template <typename T>
-cudaError_t launch_bias_grad(const T* d_grad_out, T* d_grad_bias, std::int64_t tokens,
-                             std::int64_t outs, bool accumulate, void* d_workspace, int sms,
-                             cudaStream_t stream) {
-  if (tokens < 0 || outs <= 0) return cudaErrorInvalidValue;
-  if (tokens == 0) return cudaSuccess;
-  if (d_grad_out == nullptr || d_grad_bias == nullptr) return cudaErrorInvalidValue;
-  if (d_workspace != nullptr && !is_aligned(d_workspace, sizeof(float)))
-    return cudaErrorInvalidValue;
-  constexpr int V = vec16<T>;
-  const bool vec = outs % V == 0 && is_aligned(d_grad_out, 16);
-  const int n = vec ? V : 1;
-  const int splits = column_sum_splits(tokens, outs, n, sms, d_workspace != nullptr);
-  auto* partials = static_cast<float*>(d_workspace);
-  return vec ? launch_column_sum_kernels<T, V>(d_grad_out, d_grad_bias, tokens, outs, accumulate,
-                                               partials, splits, stream)
-             : launch_column_sum_kernels<T, 1>(d_grad_out, d_grad_bias, tokens, outs, accumulate,
-                                               partials, splits, stream);
+  return launch_backward_kernel<X, G, L, Act>(d_g_mixed, d_x, d_logits, d_scale, d_grad_x,
+                                              d_grad_logits, d_mixed, tokens, features, quant_grad,
+                                              max_blocks, stream);
 }
 
 }  // namespace qbl::detail
@@ -527,20 +410,6 @@ cudaError_t quant_blend_backward(const detail::type_identity_t<G>* d_g_mixed, co
   return detail::launch_quant_blend_backward<X, G, L, Act>(
       d_g_mixed, d_x, d_logits, d_scale, d_grad_x, d_grad_logits, static_cast<G*>(nullptr), tokens,
       features, quant_grad, max_blocks, stream);
-}
-
-template <typename T>
-cudaError_t bias_grad(const T* d_grad_out, T* d_grad_bias, std::int64_t tokens, std::int64_t outs,
-                      bool accumulate, void* d_workspace, cudaStream_t stream) {
-  if (tokens < 0 || outs <= 0) return cudaErrorInvalidValue;
-  if (tokens == 0) return cudaSuccess;
-  if (d_grad_out == nullptr || d_grad_bias == nullptr ||
-      (d_workspace != nullptr && !detail::is_aligned(d_workspace, sizeof(float))))
-    return cudaErrorInvalidValue;  // before any CUDA call
-  int sms = 0;
-  QBL_CUDA_RETURN_IF_ERROR(detail::sm_count(&sms));
-  return detail::launch_bias_grad(d_grad_out, d_grad_bias, tokens, outs, accumulate, d_workspace,
-                                  sms, stream);
 }
 
 }  // namespace qbl
