@@ -65,6 +65,7 @@ struct LayerKey {
 /// One forward's operands, of the layer's dtypes (qbl::ForwardArgs with untyped pointers).
 struct ForwardCall {
   const void *x = nullptr, *logits = nullptr, *weight = nullptr, *bias = nullptr;
+  const float *weight_fp32 = nullptr, *bias_fp32 = nullptr;  ///< cast by the plan
   void *out = nullptr, *mixed = nullptr;
   float* stats = nullptr;
   std::int64_t tokens = 0;
@@ -76,6 +77,7 @@ struct ForwardCall {
 struct BackwardCall {
   const void *grad_out = nullptr, *x = nullptr, *logits = nullptr, *weight = nullptr,
              *mixed = nullptr;
+  const float* weight_fp32 = nullptr;  ///< a float32 weight with a 16-bit GEMM: cast by the plan
   const float* stats = nullptr;
   std::int64_t tokens = 0;
   void *grad_x = nullptr, *grad_logits = nullptr, *grad_weight = nullptr, *grad_bias = nullptr;
@@ -88,13 +90,13 @@ class LayerPlans {
  public:
   virtual ~LayerPlans() = default;
   virtual bool has_backward() const = 0;
-  virtual std::size_t forward_workspace_bytes() const = 0;
+  virtual std::size_t forward_workspace_bytes(const ForwardCall& call) const = 0;
   /// What backward(call) needs (0 without a backward plan).
   virtual std::size_t backward_workspace_bytes(const BackwardCall& call) const = 0;
   /// The most any backward needs, at the capacity (0 without a backward plan).
   virtual std::size_t max_backward_workspace_bytes() const = 0;
-  /// Does a backward of `tokens` tokens put wgrad beside dgrad (given a side stream)?
-  virtual bool overlaps(std::int64_t tokens) const = 0;
+  /// What backward(call) does, with a side stream or not (qbl::BackwardPlan::describe).
+  virtual qbl::BackwardDescription describe(const BackwardCall& call, bool side) const = 0;
   virtual void forward(const ForwardCall& call, void* workspace, cudaStream_t stream) const = 0;
   virtual void backward(const BackwardCall& call, void* workspace, qbl::SideStream* side,
                         cudaStream_t stream) const = 0;

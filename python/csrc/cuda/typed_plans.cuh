@@ -29,7 +29,9 @@ class PlansOf final : public LayerPlans {
 
   bool has_backward() const override { return backward_ != nullptr; }
 
-  std::size_t forward_workspace_bytes() const override { return forward_.workspace_bytes(); }
+  std::size_t forward_workspace_bytes(const ForwardCall& call) const override {
+    return forward_.workspace_bytes(typed(call));
+  }
 
   std::size_t backward_workspace_bytes(const BackwardCall& call) const override {
     return backward_ == nullptr ? 0 : backward_->workspace_bytes(typed(call));
@@ -39,17 +41,13 @@ class PlansOf final : public LayerPlans {
     return backward_ == nullptr ? 0 : backward_->workspace_bytes();
   }
 
-  bool overlaps(std::int64_t tokens) const override {
-    return backward_ != nullptr && backward_->overlaps(tokens);
+  qbl::BackwardDescription describe(const BackwardCall& call, bool side) const override {
+    return backward_ == nullptr ? qbl::BackwardDescription{}
+                                : backward_->describe(typed(call), side);
   }
 
   void forward(const ForwardCall& c, void* workspace, cudaStream_t stream) const override {
-    typename Forward::Arguments a;
-    a.x = static_cast<const X*>(c.x), a.logits = static_cast<const L*>(c.logits);
-    a.weight = static_cast<const G*>(c.weight), a.bias = static_cast<const G*>(c.bias);
-    a.out = static_cast<G*>(c.out), a.mixed = static_cast<G*>(c.mixed), a.stats = c.stats;
-    a.tokens = c.tokens, a.amax_source = c.amax_source;
-    forward_.run(a, workspace, stream);
+    forward_.run(typed(c), workspace, stream);
   }
 
   void backward(const BackwardCall& c, void* workspace, qbl::SideStream* side,
@@ -59,10 +57,21 @@ class PlansOf final : public LayerPlans {
   }
 
  private:
+  static typename Forward::Arguments typed(const ForwardCall& c) {
+    typename Forward::Arguments a;
+    a.x = static_cast<const X*>(c.x), a.logits = static_cast<const L*>(c.logits);
+    a.weight = static_cast<const G*>(c.weight), a.bias = static_cast<const G*>(c.bias);
+    a.weight_fp32 = c.weight_fp32, a.bias_fp32 = c.bias_fp32;
+    a.out = static_cast<G*>(c.out), a.mixed = static_cast<G*>(c.mixed), a.stats = c.stats;
+    a.tokens = c.tokens, a.amax_source = c.amax_source;
+    return a;
+  }
+
   static typename Backward::Arguments typed(const BackwardCall& c) {
     typename Backward::Arguments a;
     a.grad_out = static_cast<const G*>(c.grad_out), a.x = static_cast<const X*>(c.x);
     a.logits = static_cast<const L*>(c.logits), a.weight = static_cast<const G*>(c.weight);
+    a.weight_fp32 = c.weight_fp32;
     a.mixed = static_cast<const G*>(c.mixed), a.stats = c.stats, a.tokens = c.tokens;
     a.grad_x = static_cast<X*>(c.grad_x), a.grad_logits = static_cast<L*>(c.grad_logits);
     a.grad_weight = static_cast<G*>(c.grad_weight), a.grad_bias = static_cast<G*>(c.grad_bias);
