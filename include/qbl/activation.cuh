@@ -182,8 +182,20 @@ struct Silu : detail::PreparedBackward<Silu> {
   }
 };
 
-/// Every activation, for a binding's dispatch and the tests.
+/// Every activation, for a binding's dispatch and the tests: qbl::Activation's values, in order.
 using Activations = TypeList<Identity, Gelu, GeluTanh, Relu, Silu>;
+
+namespace detail {
+template <typename... A>
+constexpr bool in_activation_order(TypeList<A...>) {
+  int i = 0;
+  bool ordered = true;
+  ((ordered = ordered && static_cast<int>(A::kind) == i++), ...);
+  return ordered && i == activation_count;
+}
+}  // namespace detail
+static_assert(detail::in_activation_order(Activations{}),
+              "qbl::Activations lists every qbl::Activation once, in the enum's order");
 
 /// What the layer's kernels need to know of an activation beyond its element functions.
 template <typename Act>

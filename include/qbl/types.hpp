@@ -42,8 +42,15 @@ using SupportedTypes =
              LayerTypes<float, __half, __half>>;
 
 /// The input activations (qbl/activation.cuh's types Identity, Gelu, GeluTanh, Relu, Silu: each
-/// has `kind`), as values: what a binding chooses at run time maps onto those types.
+/// has `kind`, and qbl::Activations lists them in this order), as values: what a binding chooses
+/// at run time maps onto those types.
 enum class Activation { identity, gelu, gelu_tanh, relu, silu };
+
+/// Their names, in Activation's order, as a binding shows them: PyTorch's (F.gelu, F.gelu with
+/// approximate="tanh", F.relu, F.silu), and "none" for the identity.
+inline constexpr const char* activation_names[] = {"none", "gelu", "gelu_tanh", "relu", "silu"};
+inline constexpr int activation_count =
+    static_cast<int>(sizeof activation_names / sizeof activation_names[0]);
 
 /// Calls f(T{}) for each T of the list, in order.
 template <typename... T, typename F>

@@ -4,6 +4,8 @@
 
 #include "qbl_torch.h"
 
+#include <c10/util/StringUtil.h>
+
 namespace qbl_torch {
 namespace {
 
@@ -147,11 +149,15 @@ void check_local_amax(const char* op, const Tensor& x) {
                    c10::toString(x.scalar_type()), "; supported: ", supported_x_dtypes());
 }
 
+std::vector<std::string> activations() {
+  return {std::begin(qbl::activation_names), std::end(qbl::activation_names)};
+}
+
 qbl::Activation parse_activation(const char* op, c10::string_view name) {
-  for (int i = 0; i < static_cast<int>(std::size(activation_names)); ++i)
-    if (name == activation_names[i]) return static_cast<qbl::Activation>(i);
-  TORCH_CHECK_VALUE(false, op, ": unknown activation '", std::string(name),
-                    "'; one of none, gelu, gelu_tanh, relu, silu");
+  for (int i = 0; i < qbl::activation_count; ++i)
+    if (name == qbl::activation_names[i]) return static_cast<qbl::Activation>(i);
+  TORCH_CHECK_VALUE(false, op, ": unknown activation '", std::string(name), "'; one of ",
+                    c10::Join(", ", activations()));
 }
 
 }  // namespace qbl_torch

@@ -35,7 +35,7 @@ std::tuple<std::vector<std::int64_t>, std::vector<std::string>> cache_info() { r
 TORCH_LIBRARY(qbl, m) {
   // stats given: the sharded forward's second step -- amax is stats[0] as given (local_amax's,
   // reduced over the shards), and the returned stats is a copy of it with the scale written.
-  // activation: none, gelu, gelu_tanh, relu or silu, applied to x inside the layer. keep_mixed:
+  // activation: one of activations() (none, gelu, ...), applied to x inside the layer. keep_mixed:
   // autograd keeps mixed for the backward (else the backward recomputes it); the computation
   // itself is the same. gemm_dtype: the GEMM's dtype where it is not x's (autocast); weight and
   // bias are then of it or float32, cast to it inside (under autocast the operators take the
@@ -57,6 +57,8 @@ TORCH_LIBRARY(qbl, m) {
   m.def("local_amax(Tensor x, str activation=\"none\") -> Tensor");
   m.def("clear_cache() -> ()", &qbl_torch::clear_cache);
   m.def("cache_info() -> (int[], str[])", &qbl_torch::cache_info);
+  // The names `activation` takes, in the library's order (qbl::activation_names).
+  m.def("activations() -> str[]", &qbl_torch::activations);
 }
 
 // Importing qbl._C registers the operators; the module itself is empty.

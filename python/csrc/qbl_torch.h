@@ -136,12 +136,13 @@ T* mutable_data(const Tensor& t) {
 
 // ---- activations -------------------------------------------------------------------------------
 
-/// The activations' names in the operators' `activation` argument, qbl::Activation's order.
-inline constexpr const char* activation_names[] = {"none", "gelu", "gelu_tanh", "relu", "silu"};
-
+/// The name of an activation in the operators' `activation` argument (qbl::activation_names).
 inline const char* activation_name(qbl::Activation a) {
-  return activation_names[static_cast<int>(a)];
+  return qbl::activation_names[static_cast<int>(a)];
 }
+
+/// Every activation's name, in qbl::Activation's order: the operator qbl::activations().
+std::vector<std::string> activations();
 
 /// The activation named `name`; ValueError naming the choices for any other.
 qbl::Activation parse_activation(const char* op, c10::string_view name);

@@ -47,9 +47,10 @@ def all_reduce_amax(stats: torch.Tensor, group=None) -> torch.Tensor:
     return stats
 
 
-#: The input activations: None (none), or the name of F.gelu, F.gelu(approximate="tanh"),
-#: F.relu, F.silu.
-ACTIVATIONS = (None, "gelu", "gelu_tanh", "relu", "silu")
+#: The input activations: None (no activation), or the name of F.gelu, F.gelu(approximate="tanh"),
+#: F.relu, F.silu -- as the extension lists them (torch.ops.qbl.activations(), whose "none" is
+#: None here).
+ACTIVATIONS = (None,) + tuple(a for a in torch.ops.qbl.activations() if a != "none")
 
 #: keep_mixed's default: keep mixed for the backward. Recomputing it there instead cut a model
 #: step's peak memory by 22-31 % and cost 3-5 % of its time on an H200 (docs/training.md).

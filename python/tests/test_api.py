@@ -183,6 +183,20 @@ def test_stats_on_the_cpu_with_cuda_tensors_raise(cuda_device):
                             "stats on the CPU")
 
 
+def test_one_list_of_activations():
+    """The extension lists the activations once (torch.ops.qbl.activations(), the library's
+    order); the package's list is that list with None for "none", and the operators' error for an
+    unknown name names every entry of it. The suite's eager counterparts cover the same names."""
+    names = list(torch.ops.qbl.activations())
+    assert names[0] == "none" and len(names) == len(set(names))
+    assert qbl._ops.ACTIVATIONS == (None, *names[1:])
+    assert set(names) == set(H.ACTIVATIONS)
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError) as e:
+        torch.ops.qbl.local_amax(x, "tanh")
+    assert str(e.value).splitlines()[0].endswith("one of " + ", ".join(names))
+
+
 def test_unknown_activation_raises(device):
     """An activation name that is none of none, gelu, gelu_tanh, relu, silu: ValueError naming it
     from the module's constructor, the functional form, and each operator (forward, backward,
