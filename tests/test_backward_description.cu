@@ -77,21 +77,21 @@ struct Layer {
     EXPECT_EQ(qbl_test::to_device(grad_out.get(),
                                   qbl_test::convert<G>(qbl_test::randn(kTokens * kOut, 14))),
               cudaSuccess);
-    typename Fwd::Arguments f;
+    typename Fwd::ForwardArgs f;
     f.x = x.get(), f.logits = logits.get(), f.weight = w.get(), f.bias = b.get();
     f.out = out.get(), f.mixed = mixed.get(), f.stats = stats.get(), f.tokens = kTokens;
     run_forward(f);
   }
 
-  void run_forward(const typename Fwd::Arguments& f) {
+  void run_forward(const typename Fwd::ForwardArgs& f) {
     DeviceArray<unsigned char> ws{fwd.workspace_bytes(f)};
     fwd.run(f, ws.get());
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
 
   /// The gradients wanted by `mask` (bit 0 grad_x, 1 grad_logits, 2 grad_weight, 3 grad_bias).
-  typename Bwd::Arguments args(unsigned mask, bool keep_mixed, bool aligned_x) {
-    typename Bwd::Arguments a;
+  typename Bwd::BackwardArgs args(unsigned mask, bool keep_mixed, bool aligned_x) {
+    typename Bwd::BackwardArgs a;
     a.grad_out = grad_out.get(), a.x = aligned_x ? x.get() : x_misaligned.get(1);
     a.logits = logits.get(), a.weight = w.get(), a.stats = stats.get(), a.tokens = kTokens;
     a.mixed = keep_mixed ? mixed.get() : nullptr;
@@ -111,7 +111,7 @@ struct Layer {
 
   /// Runs the backward with a workspace of exactly workspace_bytes(a); returns the four outputs'
   /// bytes (poisoned before the run).
-  std::vector<std::vector<unsigned char>> run(const typename Bwd::Arguments& a, bool side) {
+  std::vector<std::vector<unsigned char>> run(const typename Bwd::BackwardArgs& a, bool side) {
     poison();
     DeviceArray<unsigned char> ws{bwd.workspace_bytes(a)};
     qbl::SideStream s;
@@ -248,7 +248,7 @@ TYPED_TEST(BackwardDescription, AFloat32WeightCastInsideThePlansGivesTheCastWeig
     const auto out = bytes_of(layer.out.get(), kTokens * kOut);
     const auto mixed = bytes_of(layer.mixed.get(), kTokens * kIn);
     EXPECT_EQ(cudaMemset(layer.out.get(), 0, kTokens * kOut * sizeof(G)), cudaSuccess);
-    typename Layer<TypeParam>::Fwd::Arguments f;
+    typename Layer<TypeParam>::Fwd::ForwardArgs f;
     f.x = layer.x.get(), f.logits = layer.logits.get(), f.weight_fp32 = layer.w32.get();
     f.bias_fp32 = layer.b32.get(), f.out = layer.out.get(), f.mixed = layer.mixed.get();
     f.stats = layer.stats.get(), f.tokens = kTokens;

@@ -74,14 +74,14 @@ struct Problem {
     EXPECT_EQ(qbl_test::to_device(l.get(), qbl_test::randn(tokens, seed + 1, 2.0f)), cudaSuccess);
     EXPECT_EQ(qbl_test::to_device(go.get(), qbl_test::randn(tokens * out, seed + 4)), cudaSuccess);
   }
-  Fwd::Arguments forward_args() {
-    Fwd::Arguments a;
+  Fwd::ForwardArgs forward_args() {
+    Fwd::ForwardArgs a;
     a.x = x.get(), a.logits = l.get(), a.weight = w.get(), a.bias = b.get(), a.out = y.get();
     a.mixed = mixed.get(), a.stats = stats.get(), a.tokens = tokens;
     return a;
   }
-  Bwd::Arguments backward_args() {
-    Bwd::Arguments a;
+  Bwd::BackwardArgs backward_args() {
+    Bwd::BackwardArgs a;
     a.grad_out = go.get(), a.x = x.get(), a.logits = l.get(), a.weight = w.get();
     a.mixed = mixed.get(), a.stats = stats.get(), a.tokens = tokens;
     a.grad_x = gx.get(), a.grad_logits = gl.get(), a.grad_weight = gw.get(), a.grad_bias = gb.get();
@@ -287,13 +287,13 @@ TEST(LayerPlans, NothingToDoIsANoOp) {
   const Bwd bwd(p.in, p.out, 16);
   Workspace ws(std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
   p.poison();
-  EXPECT_NO_THROW(fwd.run(Fwd::Arguments{}, nullptr));
-  EXPECT_NO_THROW(bwd.run(Bwd::Arguments{}, nullptr, nullptr));
-  Bwd::Arguments none = p.backward_args();
+  EXPECT_NO_THROW(fwd.run(Fwd::ForwardArgs{}, nullptr));
+  EXPECT_NO_THROW(bwd.run(Bwd::BackwardArgs{}, nullptr, nullptr));
+  Bwd::BackwardArgs none = p.backward_args();
   none.grad_x = nullptr, none.grad_logits = nullptr, none.grad_weight = nullptr;
   none.grad_bias = nullptr;
   EXPECT_NO_THROW(bwd.run(none, nullptr, nullptr));
-  Bwd::Arguments zero = p.backward_args();
+  Bwd::BackwardArgs zero = p.backward_args();
   zero.tokens = 0;
   EXPECT_NO_THROW(bwd.run(zero, ws.get(), nullptr));
   EXPECT_TRUE(p.gradients_untouched());
@@ -322,7 +322,7 @@ TYPED_TEST(ForwardPlanArguments, EveryBadArgumentThrowsItsTypeAndWritesNothing) 
   using G = typename TypeParam::gemm_type;
   using Lg = typename TypeParam::logits_type;
   using Plan = qbl::ForwardPlan<X, G, Lg>;
-  using Args = typename Plan::Arguments;
+  using Args = typename Plan::ForwardArgs;
   using Buffers = qbl_test::ForwardBuffers<X, G, Lg>;
   const Buffers buffers;
   QBL_ASSERT_CUDA(buffers.fill(qbl_test::fresh_seed()));
@@ -408,7 +408,7 @@ TYPED_TEST(ForwardPlanArguments, EveryBadArgumentThrowsItsTypeAndWritesNothing) 
 // its poison, x and weight their values -- and supports() says no to the same arguments.
 TEST(BackwardPlanArguments, EveryBadArgumentThrowsItsTypeAndTouchesNothing) {
   QBL_REQUIRE_GPU();
-  using Args = Bwd::Arguments;
+  using Args = Bwd::BackwardArgs;
   const std::uint64_t seed = qbl_test::fresh_seed();
   Problem p(300, 128, 64, seed);
   const std::int64_t max_tokens = 512;
@@ -936,7 +936,7 @@ TYPED_TEST_SUITE(PlansWithActivation, ActCases, qbl_test::ActivationCaseNames);
 
 /// A backward with a workspace of exactly workspace_bytes(args), poisoned.
 template <typename B>
-void run_backward(const B& bwd, const typename B::Arguments& a, qbl::SideStream* side) {
+void run_backward(const B& bwd, const typename B::BackwardArgs& a, qbl::SideStream* side) {
   Workspace ws(bwd.workspace_bytes(a));
   bwd.run(a, ws.get(), side);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -956,12 +956,12 @@ TYPED_TEST(PlansWithActivation, RecomputedMixedGivesTheKeptGradients) {
   const Fwd fwd(p.in, p.out, 512);
   const Bwd bwd(p.in, p.out, 512);
   qbl::SideStream side;
-  typename Fwd::Arguments f;
+  typename Fwd::ForwardArgs f;
   f.x = p.h.get(), f.logits = p.l.get(), f.weight = p.w.get(), f.bias = p.b.get();
   f.out = p.y.get(), f.mixed = p.mixed.get(), f.stats = p.stats.get(), f.tokens = p.tokens;
   Workspace fws(fwd.workspace_bytes());
   fwd.run(f, fws.get());
-  typename Bwd::Arguments a;
+  typename Bwd::BackwardArgs a;
   a.grad_out = p.go.get(), a.x = p.h.get(), a.logits = p.l.get(), a.weight = p.w.get();
   a.mixed = p.mixed.get(), a.stats = p.stats.get(), a.tokens = p.tokens;
   a.grad_x = p.gx.get(), a.grad_logits = p.gl.get(), a.grad_weight = p.gw.get();
@@ -971,7 +971,7 @@ TYPED_TEST(PlansWithActivation, RecomputedMixedGivesTheKeptGradients) {
   const auto kept = p.gradients();
   const char* names[] = {"grad_x", "grad_logits", "grad_weight", "grad_bias"};
   // Recomputed: every gradient the same bits (the side stream is not used then).
-  typename Bwd::Arguments r = a;
+  typename Bwd::BackwardArgs r = a;
   r.mixed = nullptr;
   EXPECT_LE(bwd.workspace_bytes(r), bwd.workspace_bytes());
   p.poison_gradients();
@@ -994,7 +994,7 @@ TYPED_TEST(PlansWithActivation, RecomputedMixedGivesTheKeptGradients) {
   o.backward = true;
   qbl::QuantBlendLinear<X, G, L, typename C::Act> layer(p.in, p.out, 512, o);
   layer.forward(f);
-  typename Bwd::Arguments c = a;
+  typename Bwd::BackwardArgs c = a;
   c.mixed = nullptr;  // stats given, mixed null: recomputed
   p.poison_gradients();
   layer.backward(c);
@@ -1025,11 +1025,11 @@ TYPED_TEST(PlansWithActivation, EqualTheIdentityPlansFedTheActivation) {
   Workspace ws(std::max({fwd.workspace_bytes(), bwd.workspace_bytes(), fwd_id.workspace_bytes(),
                          bwd_id.workspace_bytes()}));
   auto run = [&](auto& f_plan, auto& b_plan, TypedProblem<X, G, L>& t, const X* input) {
-    typename std::decay_t<decltype(f_plan)>::Arguments f;
+    typename std::decay_t<decltype(f_plan)>::ForwardArgs f;
     f.x = input, f.logits = t.l.get(), f.weight = t.w.get(), f.bias = t.b.get();
     f.out = t.y.get(), f.mixed = t.mixed.get(), f.stats = t.stats.get(), f.tokens = t.tokens;
     f_plan.run(f, ws.get());
-    typename std::decay_t<decltype(b_plan)>::Arguments a;
+    typename std::decay_t<decltype(b_plan)>::BackwardArgs a;
     a.grad_out = t.go.get(), a.x = input, a.logits = t.l.get(), a.weight = t.w.get();
     a.mixed = t.mixed.get(), a.stats = t.stats.get(), a.tokens = t.tokens;
     a.grad_x = t.gx.get(), a.grad_logits = t.gl.get(), a.grad_weight = t.gw.get();

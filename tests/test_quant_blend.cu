@@ -232,7 +232,7 @@ TYPED_TEST(ProgrammaticLaunch, OnlyWhereTheKernelWasCompiledForSm90OrLater) {
   QBL_ASSERT_CUDA(qbl_test::to_host(arch, d_arch.get()));
   ASSERT_GT(arch[0], 0) << "the reference kernel did not run";
   qbl::detail::LaunchLimits limits;
-  QBL_ASSERT_CUDA((qbl::detail::launch_limits<X, G, L>(&limits)));
+  QBL_ASSERT_CUDA((qbl::detail::query_launch_limits<X, G, L>(&limits)));
   EXPECT_GT(limits.sms, 0);
   for (int v = 0; v < 2; ++v) {
     SCOPED_TRACE(v == 0 ? "element-by-element kernel" : "vector kernel");

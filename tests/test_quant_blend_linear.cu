@@ -200,7 +200,7 @@ void run_shape(const Shape& sh, std::uint64_t seed) {
     QBL_ASSERT_CUDA(cudaMemset(dout.get(), qbl_test::poison_byte, dout.size() * sizeof(G)));
     const G* bias = sh.bias ? db.get(off) : nullptr;
     layer.forward(dx.get(off), dl.get(off), dw.get(off), bias, dout.get(off), tokens);
-    typename qbl::QuantBlendLinear<X, G, L>::ForwardArguments args;
+    typename qbl::QuantBlendLinear<X, G, L>::ForwardArgs args;
     args.weight = dw.get(off), args.bias = bias, args.out = dout.get(off), args.tokens = tokens;
     fallback += !layer.uses_cublaslt(args);
     qbl_test::device_sigmoid_t<L>

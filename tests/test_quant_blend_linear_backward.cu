@@ -239,17 +239,17 @@ struct BwdBuffers {
       e = qbl_test::to_device(gb.get(c.out_off), qbl_test::convert<G>(d.old_b));
     return e;
   }
-  typename Layer::ForwardArguments forward_args() {
+  typename Layer::ForwardArgs forward_args() {
     const std::size_t o = c.in_off;
-    typename Layer::ForwardArguments a;
+    typename Layer::ForwardArgs a;
     a.x = x.get(o), a.logits = l.get(o), a.weight = w.get(o), a.bias = c.bias ? b.get(o) : nullptr;
     a.out = out.get(o), a.mixed = mixed.get(o), a.stats = stats.get(), a.tokens = c.tokens;
     return a;
   }
   /// The case's backward: every input, and the wanted outputs.
-  typename Layer::BackwardArguments args() {
+  typename Layer::BackwardArgs args() {
     const std::size_t o = c.in_off;
-    typename Layer::BackwardArguments a;
+    typename Layer::BackwardArgs a;
     a.grad_out = go.get(o), a.x = x.get(o), a.logits = l.get(o), a.weight = w.get(o);
     a.mixed = mixed.get(o), a.stats = stats.get(), a.tokens = c.tokens;
     if (c.want & want_x) a.grad_x = gx.get(c.out_off);
@@ -266,7 +266,7 @@ struct BwdBuffers {
   /// formed when it is wanted (and of the GEMM's type), else in the layer's workspace.
   X* probe_target() { return (c.want & want_x) ? gx.get(c.out_off) : probe.get(); }
   void run_probe(Layer& layer) {
-    typename Layer::BackwardArguments a = args();
+    typename Layer::BackwardArgs a = args();
     a.logits = l_probe.get(), a.stats = stats_probe.get();
     a.grad_x = probe_target(), a.grad_logits = nullptr, a.grad_weight = nullptr;
     a.grad_bias = nullptr;
@@ -741,7 +741,7 @@ TYPED_TEST(LayerBackwardNonFinite, EachCaseFollowsTheFormulas) {
 // caller unchanged. Each throws its type and touches nothing.
 
 using Layer = qbl::QuantBlendLinear<float>;
-using Args = Layer::BackwardArguments;
+using Args = Layer::BackwardArgs;
 
 /// One bad call: the case's full backward (all four gradients) with one argument changed.
 struct BadCase {

@@ -56,7 +56,7 @@ Outcome run_case(const PropertyCase& c, const PropertyData& d) {
   const T* bias = c.bias ? db.get(go) : nullptr;
   std::vector<T> raw_out(static_cast<std::size_t>(c.tokens * c.out));
   layer.forward(dx.get(xo), dl.get(xo), dw.get(go), bias, dout.get(go), c.tokens);
-  typename qbl::QuantBlendLinear<T>::ForwardArguments args;
+  typename qbl::QuantBlendLinear<T>::ForwardArgs args;
   args.weight = dw.get(go), args.bias = bias, args.out = dout.get(go), args.tokens = c.tokens;
   r.cublaslt = layer.uses_cublaslt(args);
   qbl_test::device_sigmoid_t<T>

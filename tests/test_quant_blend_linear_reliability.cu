@@ -49,17 +49,16 @@ struct Buffers {
     layer.forward(x.get(), l.get(), w.get(), b.get(), y.get(), tokens, s);
   }
   /// The forward into `out` keeping `mixed` and `stats` for a backward.
-  Layer::ForwardArguments args(float* out, float* mixed, float* stats) {
-    Layer::ForwardArguments a;
+  Layer::ForwardArgs args(float* out, float* mixed, float* stats) {
+    Layer::ForwardArgs a;
     a.x = x.get(), a.logits = l.get(), a.weight = w.get(), a.bias = b.get(), a.out = out;
     a.mixed = mixed, a.stats = stats, a.tokens = tokens;
     return a;
   }
   /// That forward's backward from grad_out into the four gradients.
-  Layer::BackwardArguments backward_args(const float* grad_out, const float* mixed,
-                                         const float* stats, float* gx, float* gl, float* gw,
-                                         float* gb) {
-    Layer::BackwardArguments a;
+  Layer::BackwardArgs backward_args(const float* grad_out, const float* mixed, const float* stats,
+                                    float* gx, float* gl, float* gw, float* gb) {
+    Layer::BackwardArgs a;
     a.grad_out = grad_out, a.x = x.get(), a.logits = l.get(), a.weight = w.get();
     a.mixed = mixed, a.stats = stats, a.tokens = tokens;
     a.grad_x = gx, a.grad_logits = gl, a.grad_weight = gw, a.grad_bias = gb;
@@ -107,7 +106,7 @@ TYPED_TEST(QuantBlendLinearBadInputTyped, EveryCaseThrowsItsTypeAndWritesNothing
   using G = typename TypeParam::gemm_type;
   using Lg = typename TypeParam::logits_type;
   using L = qbl::QuantBlendLinear<X, G, Lg>;
-  using Args = typename L::ForwardArguments;
+  using Args = typename L::ForwardArgs;
   using Buffers = qbl_test::ForwardBuffers<X, G, Lg>;
   const Buffers buffers;
   QBL_ASSERT_CUDA(buffers.fill(qbl_test::fresh_seed()));
@@ -804,7 +803,7 @@ TEST(QuantBlendLinearDevice, WrongCurrentDeviceThrowsBeforeLaunching) {
   QBL_ASSERT_CUDA(io.poison());
   QBL_ASSERT_CUDA(cudaSetDevice(1));
   EXPECT_THROW(io.forward(layer), qbl::invalid_argument);
-  Layer::BackwardArguments g;
+  Layer::BackwardArgs g;
   g.grad_out = io.y.get(), g.tokens = tokens, g.grad_bias = io.b.get();
   EXPECT_THROW(layer.backward(g), qbl::invalid_argument);
   QBL_ASSERT_CUDA(cudaSetDevice(0));

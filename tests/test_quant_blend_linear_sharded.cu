@@ -102,8 +102,8 @@ template <typename T>
 
 /// The forward's arguments over a problem's buffers, keeping mixed and stats.
 template <typename T>
-typename qbl::QuantBlendLinear<T>::ForwardArguments args_of(Buffers<T>& r, std::int64_t tokens) {
-  typename qbl::QuantBlendLinear<T>::ForwardArguments a;
+typename qbl::QuantBlendLinear<T>::ForwardArgs args_of(Buffers<T>& r, std::int64_t tokens) {
+  typename qbl::QuantBlendLinear<T>::ForwardArgs a;
   a.x = r.x.get(), a.logits = r.l.get(), a.weight = r.w.get(), a.bias = r.b.get();
   a.out = r.y.get(), a.mixed = r.mixed.get(), a.stats = r.stats.get(), a.tokens = tokens;
   return a;

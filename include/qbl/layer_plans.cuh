@@ -1,5 +1,5 @@
 // qbl/layer_plans.cuh -- the layer as two immutable plans, in the manner of CUTLASS's device-level
-// operators (can_implement / get_workspace_size / run over an Arguments struct):
+// operators (can_implement / get_workspace_size / run over an arguments struct):
 //
 //   qbl::ForwardPlan<X, G, L, Act>   the prologue (amax, quant-blend) and the forward GEMM
 //   qbl::BackwardPlan<X, G, L, Act>  the dgrad and wgrad GEMMs, the quant-blend backward and the
@@ -106,7 +106,7 @@ class ForwardPlan {
   using gemm_type = G;
   using logits_type = L;
   using activation = Act;
-  using Arguments = ForwardArgs<X, G, L>;
+  using ForwardArgs = qbl::ForwardArgs<X, G, L>;
 
   /// Plans the GEMM on the current device, which every run() must also run on.
   /// \throws qbl::invalid_argument for non-positive or overflowing sizes, qbl::cublas_error /
@@ -125,13 +125,13 @@ class ForwardPlan {
     return workspace_bytes_for(gemm_.workspace_bytes());
   }
   /// The same for a run of `args`: more where it casts a float32 weight or bias (weight_fp32).
-  std::size_t workspace_bytes(const Arguments& args) const noexcept;
+  std::size_t workspace_bytes(const ForwardArgs& args) const noexcept;
 
   /// The same for a plan made with Options::cublas_workspace_bytes = `cublas_workspace_bytes`.
   static std::size_t workspace_bytes_for(std::size_t cublas_workspace_bytes) noexcept;
 
   /// Would run() accept these arguments? (The same checks, without throwing.)
-  bool supports(const Arguments& args) const noexcept;
+  bool supports(const ForwardArgs& args) const noexcept;
 
   /// stats = [amax, scale]; mixed = quant_blend(x, logits); out = mixed · weightᵀ + bias, on
   /// `stream`. tokens == 0 does nothing. With args.amax_source = AmaxSource::stats the amax is
@@ -140,7 +140,7 @@ class ForwardPlan {
   ///         pointer, negative tokens, an output overlapping an input or another output, the
   ///         wrong current device), qbl::out_of_range (tokens > max_tokens) -- all before
   ///         anything is launched; qbl::cuda_error / qbl::cublas_error if a launch fails.
-  void run(const Arguments& args, void* workspace, cudaStream_t stream = nullptr) const;
+  void run(const ForwardArgs& args, void* workspace, cudaStream_t stream = nullptr) const;
 
   /// A sharded forward's first step: stats[0] = max |act(x)| over these tokens (0 for tokens == 0,
   /// the identity of the reduction); stats[1] is not touched. Then the caller reduces stats[0] over
@@ -152,7 +152,7 @@ class ForwardPlan {
                   cudaStream_t stream = nullptr) const;
 
   /// Will run() with these arguments take its GEMM to cuBLASLt (true) or to the fallback kernel?
-  bool uses_cublaslt(const Arguments& args) const noexcept {
+  bool uses_cublaslt(const ForwardArgs& args) const noexcept {
     return gemm_.uses_cublaslt(args.weight, args.mixed, args.out, args.bias, args.tokens);
   }
 
@@ -163,7 +163,7 @@ class ForwardPlan {
   int device() const noexcept { return device_; }
 
  private:
-  detail::Check check(const Arguments& args) const noexcept;
+  detail::Check check(const ForwardArgs& args) const noexcept;
 
   GemmPlan<G> gemm_;
   int device_ = -1;
@@ -290,7 +290,7 @@ class BackwardPlan {
   using gemm_type = G;
   using logits_type = L;
   using activation = Act;
-  using Arguments = BackwardArgs<X, G, L>;
+  using BackwardArgs = qbl::BackwardArgs<X, G, L>;
 
   /// Plans dgrad and wgrad on the current device and decides where wgrad may run beside dgrad
   /// (Options::overlap_wgrad).
@@ -308,7 +308,7 @@ class BackwardPlan {
   /// (where dgrad runs and grad_x is not wanted or is of another type) and, where mixed is
   /// recomputed (args.mixed null with grad_weight wanted), room for it. Needs no initialization;
   /// not shared with concurrent work.
-  std::size_t workspace_bytes(const Arguments& args) const noexcept;
+  std::size_t workspace_bytes(const BackwardArgs& args) const noexcept;
   /// The most any run() with up to `tokens` tokens needs (default: max_tokens).
   std::size_t workspace_bytes(std::int64_t tokens) const noexcept;
   std::size_t workspace_bytes() const noexcept { return workspace_bytes(max_tokens()); }
@@ -319,7 +319,7 @@ class BackwardPlan {
                                          const Options& options) noexcept;
 
   /// Would run() accept these arguments (with a workspace of workspace_bytes(args))?
-  bool supports(const Arguments& args) const noexcept;
+  bool supports(const BackwardArgs& args) const noexcept;
 
   /// The backward on `stream`. When both GEMMs run, overlaps(tokens) and `side` is given, wgrad
   /// (and the bias gradient) run on side->stream(), forked from `stream` and joined back into it
@@ -328,14 +328,14 @@ class BackwardPlan {
   /// bits. Either way all of run()'s work is ordered before what is enqueued on `stream` after
   /// it. tokens == 0, or no output wanted, does nothing.
   /// \throws as ForwardPlan::run; qbl::invalid_argument for a side stream of another device.
-  void run(const Arguments& args, void* workspace, SideStream* side,
+  void run(const BackwardArgs& args, void* workspace, SideStream* side,
            cudaStream_t stream = nullptr) const;
 
   /// Does a run with `tokens` tokens (and a side stream) put wgrad beside dgrad?
   bool overlaps(std::int64_t tokens) const noexcept { return tokens <= overlap_tokens_; }
 
   /// What run(args, ..., side) does, with a side stream given or not (`side_stream`).
-  BackwardDescription describe(const Arguments& args, bool side_stream = true) const noexcept;
+  BackwardDescription describe(const BackwardArgs& args, bool side_stream = true) const noexcept;
 
   const GemmPlan<G>& dgrad() const noexcept { return dgrad_; }
   const GemmPlan<G>& wgrad() const noexcept { return wgrad_; }
@@ -351,7 +351,7 @@ class BackwardPlan {
                            const BackwardDescription& d) noexcept;
   /// The description with every part a run of `tokens` tokens can have: the most workspace.
   static BackwardDescription largest(bool beside) noexcept;
-  detail::Check check(const Arguments& args, const BackwardDescription& d) const noexcept;
+  detail::Check check(const BackwardArgs& args, const BackwardDescription& d) const noexcept;
 
   GemmPlan<G> dgrad_, wgrad_;
   std::int64_t overlap_tokens_ = 0;  ///< wgrad beside dgrad up to this token count

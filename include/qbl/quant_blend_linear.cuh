@@ -15,11 +15,11 @@
 //
 //   qbl::Options opt;  opt.backward = true;
 //   qbl::QuantBlendLinear<float> layer(in, out, max_tokens, opt);
-//   qbl::QuantBlendLinear<float>::ForwardArguments f;
+//   qbl::QuantBlendLinear<float>::ForwardArgs f;
 //   f.x = d_x;  f.logits = d_l;  f.weight = d_w;  f.bias = d_b;  f.out = d_out;  f.tokens = t;
 //   f.mixed = d_mixed;  f.stats = d_stats;                 // what the backward will read
 //   layer.forward(f, stream);
-//   qbl::QuantBlendLinear<float>::BackwardArguments b;
+//   qbl::QuantBlendLinear<float>::BackwardArgs b;
 //   b.grad_out = d_g;  b.x = d_x;  b.logits = d_l;  b.weight = d_w;  b.tokens = t;
 //   b.mixed = d_mixed;  b.stats = d_stats;
 //   b.grad_x = d_gx;  b.grad_logits = d_gl;  b.grad_weight = d_gw;  b.grad_bias = d_gb;
@@ -65,8 +65,8 @@ class QuantBlendLinear {
   using x_type = X;
   using gemm_type = G;
   using logits_type = L;
-  using ForwardArguments = ForwardArgs<X, G, L>;  // with amax_source for a sharded forward
-  using BackwardArguments = BackwardArgs<X, G, L>;
+  using ForwardArgs = qbl::ForwardArgs<X, G, L>;  // with amax_source for a sharded forward
+  using BackwardArgs = qbl::BackwardArgs<X, G, L>;
 
   /// Plans the forward (and with Options::backward the backward) for up to `max_tokens` tokens
   /// on the current device, which every later call must also run on, and allocates the
@@ -85,11 +85,11 @@ class QuantBlendLinear {
   ~QuantBlendLinear() = default;
 
   /// out = quant_blend(x, logits) · weightᵀ + bias on `stream`, into the instance's own `mixed`
-  /// and `stats` (device_mixed(), device_scale()). The ForwardArguments overload below, with
+  /// and `stats` (device_mixed(), device_scale()). The ForwardArgs overload below, with
   /// mixed and stats null.
   void forward(const X* x, const L* logits, const G* weight, const G* bias, G* out,
                std::int64_t tokens, cudaStream_t stream = nullptr) {
-    ForwardArguments args;
+    ForwardArgs args;
     args.x = x, args.logits = logits, args.weight = weight, args.bias = bias, args.out = out;
     args.tokens = tokens;
     forward(args, stream);
@@ -102,7 +102,7 @@ class QuantBlendLinear {
   /// the shape and the pointers' alignment, and otherwise on qbl's fallback kernel
   /// (uses_cublaslt() tells which).
   /// \throws as ForwardPlan::run, and qbl::logic_error for a moved-from object.
-  void forward(const ForwardArguments& args, cudaStream_t stream = nullptr);
+  void forward(const ForwardArgs& args, cudaStream_t stream = nullptr);
 
   /// Sharded inputs (tensor or sequence parallelism): the forward in two steps around a
   /// reduction of amax across the shards that the caller runs between them:
@@ -128,14 +128,14 @@ class QuantBlendLinear {
   /// between forward and backward passes its forward a scratch `mixed` it reuses.
   /// \throws qbl::logic_error (no Options::backward, moved-from object), else as
   ///         BackwardPlan::run.
-  void backward(const BackwardArguments& args, cudaStream_t stream = nullptr);
+  void backward(const BackwardArgs& args, cudaStream_t stream = nullptr);
 
   /// Will forward(args) run its GEMM on cuBLASLt (true) or on the fallback kernel? (A null
   /// args.mixed counts as the instance's own.) False where cuBLASLt has no algorithm for the
   /// shape (bf16/fp16 with an odd in_features, on an H200) or the pointers' alignment (bf16 at
   /// 2 bytes): aligning weight, bias, out and mixed to 16 bytes avoids the second case.
-  bool uses_cublaslt(const ForwardArguments& args) const noexcept {
-    ForwardArguments a = args;
+  bool uses_cublaslt(const ForwardArgs& args) const noexcept {
+    ForwardArgs a = args;
     if (a.mixed == nullptr) a.mixed = mixed_.as<G>();
     return forward_.uses_cublaslt(a);
   }

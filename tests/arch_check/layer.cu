@@ -29,14 +29,14 @@ void qbl_arch_check_run(const X* x, const L* logits, const G* w, const G* b, G* 
   opt.backward = true;
   Layer layer(64, 32, 16, opt);
   layer.forward(x, logits, w, b, out, 16, stream);
-  Layer::ForwardArguments f;
+  Layer::ForwardArgs f;
   f.x = x, f.logits = logits, f.weight = w, f.bias = b, f.out = out, f.mixed = mixed;
   f.stats = stats, f.tokens = 16;
   layer.forward(f, stream);
   layer.forward_local_amax(x, 16, stats, stream);
   f.amax_source = qbl::AmaxSource::stats;
   layer.forward(f, stream);
-  Layer::BackwardArguments g;
+  Layer::BackwardArgs g;
   g.grad_out = grad_out, g.x = x, g.logits = logits, g.weight = w, g.mixed = mixed;
   g.stats = stats, g.tokens = 16, g.grad_x = grad_x;
   layer.backward(g, stream);

@@ -64,7 +64,7 @@ ForwardPlan<X, G, L, Act>::ForwardPlan(std::int64_t in_features, std::int64_t ou
              GemmSpec::linear_forward(in_features, out_features)),
             max_tokens, options) {
   QBL_CUDA_TRY(cudaGetDevice(&device_));
-  QBL_CUDA_TRY((detail::launch_limits<X, G, L, Act>(&limits_)));
+  QBL_CUDA_TRY((detail::query_launch_limits<X, G, L, Act>(&limits_)));
 }
 
 template <typename X, typename G, typename L, typename Act>
@@ -89,14 +89,14 @@ struct ForwardLayout {
 }  // namespace detail
 
 template <typename X, typename G, typename L, typename Act>
-std::size_t ForwardPlan<X, G, L, Act>::workspace_bytes(const Arguments& a) const noexcept {
+std::size_t ForwardPlan<X, G, L, Act>::workspace_bytes(const ForwardArgs& a) const noexcept {
   return detail::ForwardLayout(gemm_.workspace_bytes(), in_features(), out_features(), sizeof(G),
                                a.weight_fp32 != nullptr, a.bias_fp32 != nullptr)
       .total;
 }
 
 template <typename X, typename G, typename L, typename Act>
-detail::Check ForwardPlan<X, G, L, Act>::check(const Arguments& a) const noexcept {
+detail::Check ForwardPlan<X, G, L, Act>::check(const ForwardArgs& a) const noexcept {
   QBL_CHECK(gemm_.valid(), logic_error, "a moved-from ForwardPlan cannot run");
   QBL_CHECK(a.tokens >= 0, invalid_argument, "tokens must be non-negative");
   QBL_CHECK(a.tokens <= max_tokens(), out_of_range, "tokens exceeds max_tokens");
@@ -149,12 +149,12 @@ detail::Check ForwardPlan<X, G, L, Act>::check(const Arguments& a) const noexcep
 }
 
 template <typename X, typename G, typename L, typename Act>
-bool ForwardPlan<X, G, L, Act>::supports(const Arguments& args) const noexcept {
+bool ForwardPlan<X, G, L, Act>::supports(const ForwardArgs& args) const noexcept {
   return check(args).ok();
 }
 
 template <typename X, typename G, typename L, typename Act>
-void ForwardPlan<X, G, L, Act>::run(const Arguments& a, void* workspace,
+void ForwardPlan<X, G, L, Act>::run(const ForwardArgs& a, void* workspace,
                                     cudaStream_t stream) const {
   const detail::NvtxRange range("qbl forward");
   detail::raise(check(a));
@@ -234,7 +234,7 @@ BackwardPlan<X, G, L, Act>::BackwardPlan(std::int64_t in_features, std::int64_t 
 }
 
 template <typename X, typename G, typename L, typename Act>
-BackwardDescription BackwardPlan<X, G, L, Act>::describe(const Arguments& a,
+BackwardDescription BackwardPlan<X, G, L, Act>::describe(const BackwardArgs& a,
                                                          bool side_stream) const noexcept {
   BackwardDescription d;
   d.dgrad = a.grad_x != nullptr || a.grad_logits != nullptr;
@@ -299,7 +299,7 @@ std::size_t BackwardPlan<X, G, L, Act>::workspace_bytes(std::int64_t tokens) con
 }
 
 template <typename X, typename G, typename L, typename Act>
-std::size_t BackwardPlan<X, G, L, Act>::workspace_bytes(const Arguments& args) const noexcept {
+std::size_t BackwardPlan<X, G, L, Act>::workspace_bytes(const BackwardArgs& args) const noexcept {
   return layout_for(in_features(), out_features(), std::min(args.tokens, max_tokens()),
                     dgrad_.workspace_bytes(), describe(args))
       .total;
@@ -317,7 +317,7 @@ std::size_t BackwardPlan<X, G, L, Act>::workspace_bytes_for(std::int64_t in_feat
 }
 
 template <typename X, typename G, typename L, typename Act>
-detail::Check BackwardPlan<X, G, L, Act>::check(const Arguments& a,
+detail::Check BackwardPlan<X, G, L, Act>::check(const BackwardArgs& a,
                                                 const BackwardDescription& d) const noexcept {
   QBL_CHECK(dgrad_.valid() && wgrad_.valid(), logic_error, "a moved-from BackwardPlan cannot run");
   QBL_CHECK(a.tokens >= 0, invalid_argument, "tokens must be non-negative");
@@ -370,12 +370,12 @@ detail::Check BackwardPlan<X, G, L, Act>::check(const Arguments& a,
 }
 
 template <typename X, typename G, typename L, typename Act>
-bool BackwardPlan<X, G, L, Act>::supports(const Arguments& args) const noexcept {
+bool BackwardPlan<X, G, L, Act>::supports(const BackwardArgs& args) const noexcept {
   return check(args, describe(args)).ok();
 }
 
 template <typename X, typename G, typename L, typename Act>
-void BackwardPlan<X, G, L, Act>::run(const Arguments& a, void* workspace, SideStream* side,
+void BackwardPlan<X, G, L, Act>::run(const BackwardArgs& a, void* workspace, SideStream* side,
                                      cudaStream_t stream) const {
   const detail::NvtxRange range("qbl backward");
   const BackwardDescription d = describe(a, side != nullptr);

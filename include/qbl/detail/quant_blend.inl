@@ -286,7 +286,7 @@ bool rows_vectorizable(const X* x, const G* mixed, std::int64_t features) {
   return is_aligned(x, 16) && is_aligned(mixed, vec16<X> * sizeof(G)) && features % vec16<X> == 0;
 }
 
-template <typename X, typename L, typename G>
+template <typename X, typename G, typename L>
 cudaError_t check_quant_blend_args(const X* x, const L* logits, const G* mixed, std::int64_t tokens,
                                    std::int64_t features) {
   if (tokens < 0 || features <= 0) return cudaErrorInvalidValue;
@@ -325,7 +325,7 @@ cudaError_t quant_blend_kernel_limits(int* resident, bool* programmatic) {
 
 /// The current device's limits for these element types (no synchronization, no allocation).
 template <typename X, typename G, typename L, typename Act = Identity>
-cudaError_t launch_limits(LaunchLimits* limits) {
+cudaError_t query_launch_limits(LaunchLimits* limits) {
   QBL_CUDA_RETURN_IF_ERROR(sm_count(&limits->sms));
   QBL_CUDA_RETURN_IF_ERROR(
       (quant_blend_kernel_limits<X, G, L, Act, 1>(&limits->resident[0], &limits->programmatic[0])));
@@ -445,7 +445,7 @@ cudaError_t quant_blend(const X* d_x, const detail::type_identity_t<L>* d_logits
   if (d_amax == nullptr) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
   detail::LaunchLimits limits;
-  QBL_CUDA_RETURN_IF_ERROR((detail::launch_limits<X, G, L, Act>(&limits)));
+  QBL_CUDA_RETURN_IF_ERROR((detail::query_launch_limits<X, G, L, Act>(&limits)));
   return detail::launch_quant_blend<X, G, L, Act>(d_x, d_logits, detail::GivenAmax{d_amax, d_scale},
                                                   d_mixed, tokens, features, limits, stream);
 }
@@ -467,7 +467,7 @@ cudaError_t amax_quant_blend(const X* d_x, const detail::type_identity_t<L>* d_l
       (d_workspace == nullptr || !detail::is_aligned(d_workspace, alignof(std::uint32_t))))
     return cudaErrorInvalidValue;  // before any CUDA call
   detail::LaunchLimits limits;
-  QBL_CUDA_RETURN_IF_ERROR((detail::launch_limits<X, G, L, Act>(&limits)));
+  QBL_CUDA_RETURN_IF_ERROR((detail::query_launch_limits<X, G, L, Act>(&limits)));
   return detail::launch_amax_quant_blend<X, G, L, Act>(
       d_x, d_logits, d_mixed, tokens, features, d_amax, d_scale, d_workspace, limits, stream);
 }

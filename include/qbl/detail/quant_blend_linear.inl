@@ -66,7 +66,7 @@ Args QuantBlendLinear<X, G, L, Act>::own_buffers(Args args) const {
 }
 
 template <typename X, typename G, typename L, typename Act>
-void QuantBlendLinear<X, G, L, Act>::forward(const ForwardArguments& args, cudaStream_t stream) {
+void QuantBlendLinear<X, G, L, Act>::forward(const ForwardArgs& args, cudaStream_t stream) {
   QBL_EXPECTS(stats_.get() != nullptr, qbl::logic_error, "a moved-from QuantBlendLinear");
   QBL_EXPECTS((args.mixed == nullptr) == (args.stats == nullptr), qbl::invalid_argument,
               "mixed and stats are both given or both null (the instance's own)");
@@ -81,8 +81,8 @@ void QuantBlendLinear<X, G, L, Act>::forward_local_amax(const X* x, std::int64_t
 }
 
 template <typename X, typename G, typename L, typename Act>
-void QuantBlendLinear<X, G, L, Act>::backward(const BackwardArguments& args, cudaStream_t stream) {
-  const BackwardArguments a = own_buffers(args);
+void QuantBlendLinear<X, G, L, Act>::backward(const BackwardArgs& args, cudaStream_t stream) {
+  const BackwardArgs a = own_buffers(args);
   QBL_EXPECTS(backward_ != nullptr, qbl::logic_error,
               "backward() needs a QuantBlendLinear constructed with Options::backward = true");
   backward_->run(a, workspace_.get(), side_.get(), stream);

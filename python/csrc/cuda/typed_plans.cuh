@@ -57,8 +57,8 @@ class PlansOf final : public LayerPlans {
   }
 
  private:
-  static typename Forward::Arguments typed(const ForwardCall& c) {
-    typename Forward::Arguments a;
+  static typename Forward::ForwardArgs typed(const ForwardCall& c) {
+    typename Forward::ForwardArgs a;
     a.x = static_cast<const X*>(c.x), a.logits = static_cast<const L*>(c.logits);
     a.weight = static_cast<const G*>(c.weight), a.bias = static_cast<const G*>(c.bias);
     a.weight_fp32 = c.weight_fp32, a.bias_fp32 = c.bias_fp32;
@@ -67,8 +67,8 @@ class PlansOf final : public LayerPlans {
     return a;
   }
 
-  static typename Backward::Arguments typed(const BackwardCall& c) {
-    typename Backward::Arguments a;
+  static typename Backward::BackwardArgs typed(const BackwardCall& c) {
+    typename Backward::BackwardArgs a;
     a.grad_out = static_cast<const G*>(c.grad_out), a.x = static_cast<const X*>(c.x);
     a.logits = static_cast<const L*>(c.logits), a.weight = static_cast<const G*>(c.weight);
     a.weight_fp32 = c.weight_fp32;
