@@ -218,6 +218,7 @@ using StageCases = ::testing::Types<
     ActivationCase<qbl::GeluTanh, float, __nv_bfloat16, float>,
     ActivationCase<qbl::Relu, __nv_bfloat16>, ActivationCase<qbl::Relu, float, __half, __half>,
     ActivationCase<qbl::Silu, __half>, ActivationCase<qbl::Silu, float>,
+    ActivationCase<qbl::Gelu, __half>, ActivationCase<qbl::Relu, __half>,
     ActivationCase<qbl::Identity, __nv_bfloat16>>;
 template <typename C>
 class ActivationStages : public ::testing::Test {};
