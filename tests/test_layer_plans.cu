@@ -19,11 +19,14 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
+#include <iterator>
 #include <memory>
+#include <optional>
+#include <ostream>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -308,211 +311,416 @@ const P* odd(const P* p) {
   return reinterpret_cast<const P*>(reinterpret_cast<const char*>(p) + 1);
 }
 
-template <typename T>
-class ForwardPlanArguments : public ::testing::Test {};
-TYPED_TEST_SUITE(ForwardPlanArguments, qbl_test::SupportedTypes, qbl_test::SupportedTypeNames);
+// ---- bad arguments: one named test each ---------------------------------------------------------
 
-// One table of argument changes, for every supported type triple: each case is the full forward
-// with one argument changed, throwing its type before anything is launched -- out, mixed and
-// stats keep their poison -- and supports() says no to the same arguments. A pointer offset by
-// one byte is misaligned for every type.
-TYPED_TEST(ForwardPlanArguments, EveryBadArgumentThrowsItsTypeAndWritesNothing) {
-  QBL_REQUIRE_GPU();
-  using X = typename TypeParam::x_type;
-  using G = typename TypeParam::gemm_type;
-  using Lg = typename TypeParam::logits_type;
-  using Plan = qbl::ForwardPlan<X, G, Lg>;
-  using Args = typename Plan::ForwardArgs;
-  using Buffers = qbl_test::ForwardBuffers<X, G, Lg>;
-  const Buffers buffers;
-  QBL_ASSERT_CUDA(buffers.fill(qbl_test::fresh_seed()));
-  enum Expect { invalid, range };
-  struct Case {
-    const char* name;
-    std::function<void(Args&)> change;
-    Expect expect;
-  };
-  G *W = buffers.weight.get(), *M = buffers.mixed.get();
-  const std::vector<Case> cases = {
-      {"null x", [](Args& a) { a.x = nullptr; }, invalid},
-      {"null logits", [](Args& a) { a.logits = nullptr; }, invalid},
-      {"null weight", [](Args& a) { a.weight = nullptr; }, invalid},
-      {"null out", [](Args& a) { a.out = nullptr; }, invalid},
-      {"misaligned x", [](Args& a) { a.x = odd(a.x); }, invalid},
-      {"misaligned logits", [](Args& a) { a.logits = odd(a.logits); }, invalid},
-      {"misaligned weight", [](Args& a) { a.weight = odd(a.weight); }, invalid},
-      {"misaligned bias", [](Args& a) { a.bias = odd(a.bias); }, invalid},
-      {"misaligned out", [](Args& a) { a.out = odd(a.out); }, invalid},
-      {"negative tokens", [](Args& a) { a.tokens = -1; }, invalid},
-      {"tokens > max_tokens", [](Args& a) { a.tokens = 513; }, range},
-      {"unknown amax source", [](Args& a) { a.amax_source = static_cast<qbl::AmaxSource>(7); },
-       invalid},
-      {"out overlaps x", [](Args& a) { a.out = reinterpret_cast<G*>(const_cast<X*>(a.x) + 64); },
-       invalid},
-      {"out overlaps weight", [W](Args& a) { a.out = W + 4; }, invalid},
-      {"out overlaps logits",
-       [](Args& a) { a.out = reinterpret_cast<G*>(const_cast<Lg*>(a.logits)); }, invalid},
-      {"out overlaps bias", [](Args& a) { a.out = const_cast<G*>(a.bias); }, invalid},
-      {"null mixed", [](Args& a) { a.mixed = nullptr; }, invalid},
-      {"null stats", [](Args& a) { a.stats = nullptr; }, invalid},
-      {"misaligned mixed", [](Args& a) { a.mixed = odd(a.mixed); }, invalid},
-      {"misaligned stats", [](Args& a) { a.stats = odd(a.stats); }, invalid},
-      {"mixed overlaps x", [](Args& a) { a.mixed = reinterpret_cast<G*>(const_cast<X*>(a.x)); },
-       invalid},
-      {"mixed overlaps out", [](Args& a) { a.mixed = a.out + 1; }, invalid},
-      {"stats in weight", [W](Args& a) { a.stats = reinterpret_cast<float*>(W); }, invalid},
-      {"stats in mixed", [M](Args& a) { a.stats = reinterpret_cast<float*>(M); }, invalid},
-  };
-  Plan plan(Buffers::in, Buffers::out, 512);
-  Workspace ws(plan.workspace_bytes());
-  auto good = [&] { return buffers.template arguments<Args>(); };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    for (const qbl::AmaxSource source : {qbl::AmaxSource::x, qbl::AmaxSource::stats}) {
-      SCOPED_TRACE(source == qbl::AmaxSource::x ? "amax from x" : "amax from stats");
-      Args args = good();
-      args.amax_source = source;
-      c.change(args);
-      QBL_ASSERT_CUDA(buffers.poison());
-      EXPECT_FALSE(plan.supports(args));
-      if (c.expect == invalid) {
-        EXPECT_THROW(plan.run(args, ws.get()), qbl::invalid_argument);
-      } else {
-        EXPECT_THROW(plan.run(args, ws.get()), qbl::out_of_range);
-      }
-      QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-      EXPECT_TRUE(buffers.untouched());
-    }
-  }
-  {
-    SCOPED_TRACE("null workspace");
-    QBL_ASSERT_CUDA(buffers.poison());
-    EXPECT_TRUE(plan.supports(good()));
-    EXPECT_THROW(plan.run(good(), nullptr), qbl::invalid_argument);
-    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    EXPECT_TRUE(buffers.untouched());
-  }
-  {
-    SCOPED_TRACE("use after move");
-    QBL_ASSERT_CUDA(buffers.poison());
-    Plan taken = std::move(plan);
-    EXPECT_FALSE(plan.supports(good()));
-    EXPECT_THROW(plan.run(good(), ws.get()), qbl::logic_error);
-    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    EXPECT_TRUE(buffers.untouched());
+/// The exception a bad argument makes run() throw.
+enum class Throws { invalid_argument, out_of_range };
+
+/// The forward's bad arguments: each is the full forward with one argument changed.
+enum class ForwardBad {
+  null_x,
+  null_logits,
+  null_weight,
+  null_out,
+  misaligned_x,
+  misaligned_logits,
+  misaligned_weight,
+  misaligned_bias,
+  misaligned_out,
+  negative_tokens,
+  tokens_above_max_tokens,
+  unknown_amax_source,
+  out_overlaps_x,
+  out_overlaps_weight,
+  out_overlaps_logits,
+  out_overlaps_bias,
+  null_mixed,
+  null_stats,
+  misaligned_mixed,
+  misaligned_stats,
+  mixed_overlaps_x,
+  mixed_overlaps_out,
+  stats_in_weight,
+  stats_in_mixed,
+};
+
+/// One bad argument of the forward: the test's name, the change, what run() throws.
+struct ForwardCase {
+  const char* name;
+  ForwardBad bad;
+  Throws throws;
+};
+
+void PrintTo(const ForwardCase& c, std::ostream* os) { *os << c.name; }
+
+constexpr ForwardCase forward_cases[] = {
+    {"NullX", ForwardBad::null_x, Throws::invalid_argument},
+    {"NullLogits", ForwardBad::null_logits, Throws::invalid_argument},
+    {"NullWeight", ForwardBad::null_weight, Throws::invalid_argument},
+    {"NullOut", ForwardBad::null_out, Throws::invalid_argument},
+    {"MisalignedX", ForwardBad::misaligned_x, Throws::invalid_argument},
+    {"MisalignedLogits", ForwardBad::misaligned_logits, Throws::invalid_argument},
+    {"MisalignedWeight", ForwardBad::misaligned_weight, Throws::invalid_argument},
+    {"MisalignedBias", ForwardBad::misaligned_bias, Throws::invalid_argument},
+    {"MisalignedOut", ForwardBad::misaligned_out, Throws::invalid_argument},
+    {"NegativeTokens", ForwardBad::negative_tokens, Throws::invalid_argument},
+    {"TokensAboveMaxTokens", ForwardBad::tokens_above_max_tokens, Throws::out_of_range},
+    {"UnknownAmaxSource", ForwardBad::unknown_amax_source, Throws::invalid_argument},
+    {"OutOverlapsX", ForwardBad::out_overlaps_x, Throws::invalid_argument},
+    {"OutOverlapsWeight", ForwardBad::out_overlaps_weight, Throws::invalid_argument},
+    {"OutOverlapsLogits", ForwardBad::out_overlaps_logits, Throws::invalid_argument},
+    {"OutOverlapsBias", ForwardBad::out_overlaps_bias, Throws::invalid_argument},
+    {"NullMixed", ForwardBad::null_mixed, Throws::invalid_argument},
+    {"NullStats", ForwardBad::null_stats, Throws::invalid_argument},
+    {"MisalignedMixed", ForwardBad::misaligned_mixed, Throws::invalid_argument},
+    {"MisalignedStats", ForwardBad::misaligned_stats, Throws::invalid_argument},
+    {"MixedOverlapsX", ForwardBad::mixed_overlaps_x, Throws::invalid_argument},
+    {"MixedOverlapsOut", ForwardBad::mixed_overlaps_out, Throws::invalid_argument},
+    {"StatsInWeight", ForwardBad::stats_in_weight, Throws::invalid_argument},
+    {"StatsInMixed", ForwardBad::stats_in_mixed, Throws::invalid_argument},
+};
+static_assert(std::size(forward_cases) == 24, "the forward's table has 24 bad arguments");
+
+/// Makes `a`, the arguments over buffers `b`, bad in the way `bad` names. A pointer offset by one
+/// byte is misaligned for every type.
+template <typename X, typename G, typename L>
+void make_bad(ForwardBad bad, qbl::ForwardArgs<X, G, L>& a,
+              const qbl_test::ForwardBuffers<X, G, L>& b) {
+  G* const W = b.weight.get();
+  G* const M = b.mixed.get();
+  switch (bad) {
+    case ForwardBad::null_x:
+      a.x = nullptr;
+      return;
+    case ForwardBad::null_logits:
+      a.logits = nullptr;
+      return;
+    case ForwardBad::null_weight:
+      a.weight = nullptr;
+      return;
+    case ForwardBad::null_out:
+      a.out = nullptr;
+      return;
+    case ForwardBad::misaligned_x:
+      a.x = odd(a.x);
+      return;
+    case ForwardBad::misaligned_logits:
+      a.logits = odd(a.logits);
+      return;
+    case ForwardBad::misaligned_weight:
+      a.weight = odd(a.weight);
+      return;
+    case ForwardBad::misaligned_bias:
+      a.bias = odd(a.bias);
+      return;
+    case ForwardBad::misaligned_out:
+      a.out = odd(a.out);
+      return;
+    case ForwardBad::negative_tokens:
+      a.tokens = -1;
+      return;
+    case ForwardBad::tokens_above_max_tokens:
+      a.tokens = 513;
+      return;
+    case ForwardBad::unknown_amax_source:
+      a.amax_source = static_cast<qbl::AmaxSource>(7);
+      return;
+    case ForwardBad::out_overlaps_x:
+      a.out = reinterpret_cast<G*>(const_cast<X*>(a.x) + 64);
+      return;
+    case ForwardBad::out_overlaps_weight:
+      a.out = W + 4;
+      return;
+    case ForwardBad::out_overlaps_logits:
+      a.out = reinterpret_cast<G*>(const_cast<L*>(a.logits));
+      return;
+    case ForwardBad::out_overlaps_bias:
+      a.out = const_cast<G*>(a.bias);
+      return;
+    case ForwardBad::null_mixed:
+      a.mixed = nullptr;
+      return;
+    case ForwardBad::null_stats:
+      a.stats = nullptr;
+      return;
+    case ForwardBad::misaligned_mixed:
+      a.mixed = odd(a.mixed);
+      return;
+    case ForwardBad::misaligned_stats:
+      a.stats = odd(a.stats);
+      return;
+    case ForwardBad::mixed_overlaps_x:
+      a.mixed = reinterpret_cast<G*>(const_cast<X*>(a.x));
+      return;
+    case ForwardBad::mixed_overlaps_out:
+      a.mixed = a.out + 1;
+      return;
+    case ForwardBad::stats_in_weight:
+      a.stats = reinterpret_cast<float*>(W);
+      return;
+    case ForwardBad::stats_in_mixed:
+      a.stats = reinterpret_cast<float*>(M);
+      return;
   }
 }
 
-// The backward's table (fp32): each case is the full backward (all four gradients) with one
-// argument changed, throwing its type before anything is launched -- every gradient output keeps
-// its poison, x and weight their values -- and supports() says no to the same arguments.
-TEST(BackwardPlanArguments, EveryBadArgumentThrowsItsTypeAndTouchesNothing) {
-  QBL_REQUIRE_GPU();
-  using Args = Bwd::BackwardArgs;
-  const std::uint64_t seed = qbl_test::fresh_seed();
-  Problem p(300, 128, 64, seed);
-  const std::int64_t max_tokens = 512;
-  const Fwd fwd(p.in, p.out, max_tokens);
-  const Bwd bwd(p.in, p.out, max_tokens);
-  Workspace ws(std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
-  qbl::SideStream side;
-  p.poison();
-  fwd.run(p.forward_args(), ws.get());
-  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-  struct Case {
-    const char* name;
-    std::function<void(Args&)> change;
-    enum { invalid, range } expect;
-  };
-  float *X = p.x.get(), *L = p.l.get(), *W = p.w.get(), *GO = p.go.get(), *M = p.mixed.get(),
-        *S = p.stats.get();
-  const std::vector<Case> cases = {
-      {"null grad_out", [](Args& a) { a.grad_out = nullptr; }, Case::invalid},
-      {"null weight, grad_x wanted", [](Args& a) { a.weight = nullptr; }, Case::invalid},
-      {"null logits, grad_x wanted", [](Args& a) { a.logits = nullptr; }, Case::invalid},
-      {"null weight, grad_logits wanted", [](Args& a) { a.weight = nullptr, a.grad_x = nullptr; },
-       Case::invalid},
-      {"null logits, grad_logits wanted", [](Args& a) { a.logits = nullptr, a.grad_x = nullptr; },
-       Case::invalid},
-      {"null x, grad_logits wanted", [](Args& a) { a.x = nullptr; }, Case::invalid},
-      {"null stats, grad_x wanted", [](Args& a) { a.stats = nullptr; }, Case::invalid},
-      // A null mixed is recomputed where grad_weight is wanted: from x, logits and stats.
-      {"null mixed and x, only grad_weight and grad_bias wanted",
-       [](Args& a) {
-         a.mixed = nullptr, a.x = nullptr, a.grad_x = nullptr, a.grad_logits = nullptr;
-       },
-       Case::invalid},
-      {"null mixed and stats, only grad_weight and grad_bias wanted",
-       [](Args& a) {
-         a.mixed = nullptr, a.stats = nullptr, a.grad_x = nullptr, a.grad_logits = nullptr;
-       },
-       Case::invalid},
-      {"null mixed and logits, only grad_weight wanted",
-       [](Args& a) {
-         a.mixed = nullptr, a.logits = nullptr, a.grad_x = nullptr, a.grad_logits = nullptr;
-         a.grad_bias = nullptr;
-       },
-       Case::invalid},
-      {"misaligned grad_out", [](Args& a) { a.grad_out = odd(a.grad_out); }, Case::invalid},
-      {"misaligned x", [](Args& a) { a.x = odd(a.x); }, Case::invalid},
-      {"misaligned weight", [](Args& a) { a.weight = odd(a.weight); }, Case::invalid},
-      {"misaligned mixed", [](Args& a) { a.mixed = odd(a.mixed); }, Case::invalid},
-      {"misaligned stats", [](Args& a) { a.stats = odd(a.stats); }, Case::invalid},
-      {"misaligned grad_x", [](Args& a) { a.grad_x = odd(a.grad_x); }, Case::invalid},
-      {"misaligned grad_weight", [](Args& a) { a.grad_weight = odd(a.grad_weight); },
-       Case::invalid},
-      {"misaligned grad_bias", [](Args& a) { a.grad_bias = odd(a.grad_bias); }, Case::invalid},
-      {"negative tokens", [](Args& a) { a.tokens = -1; }, Case::invalid},
-      {"tokens > max_tokens", [&](Args& a) { a.tokens = max_tokens + 1; }, Case::range},
-      {"grad_x is x", [X](Args& a) { a.grad_x = X; }, Case::invalid},
-      {"grad_x overlaps grad_out", [GO](Args& a) { a.grad_x = GO + 100; }, Case::invalid},
-      {"grad_logits is logits", [L](Args& a) { a.grad_logits = L; }, Case::invalid},
-      {"grad_weight is weight", [W](Args& a) { a.grad_weight = W; }, Case::invalid},
-      {"grad_weight overlaps mixed", [M](Args& a) { a.grad_weight = M + 7; }, Case::invalid},
-      {"grad_bias overlaps stats", [S](Args& a) { a.grad_bias = S; }, Case::invalid},
-      {"grad_bias inside grad_weight", [](Args& a) { a.grad_bias = a.grad_weight + 10; },
-       Case::invalid},
-      {"grad_logits inside grad_x", [](Args& a) { a.grad_logits = a.grad_x + 3; }, Case::invalid},
-  };
-  ASSERT_EQ(cases.size(), 28u);
-  std::vector<float> x_before(p.x.size()), w_before(p.w.size());
-  QBL_ASSERT_CUDA(qbl_test::to_host(x_before, p.x.get()));
-  QBL_ASSERT_CUDA(qbl_test::to_host(w_before, p.w.get()));
-  auto expect_untouched = [&] {
-    EXPECT_TRUE(p.gradients_untouched());
-    std::vector<float> x(x_before.size()), w(w_before.size());
-    QBL_ASSERT_CUDA(qbl_test::to_host(x, p.x.get()));
-    QBL_ASSERT_CUDA(qbl_test::to_host(w, p.w.get()));
-    EXPECT_TRUE(qbl_test::bits_equal(x, x_before)) << "x changed";
-    EXPECT_TRUE(qbl_test::bits_equal(w, w_before)) << "weight changed";
-  };
-  auto poison = [&] {
-    for (auto* a : p.gradients())
-      QBL_ASSERT_CUDA(cudaMemset(a->get(), qbl_test::poison_byte, a->size() * sizeof(float)));
-  };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    for (qbl::SideStream* s : {&side, static_cast<qbl::SideStream*>(nullptr)}) {
-      SCOPED_TRACE(s != nullptr ? "with a side stream" : "without a side stream");
-      poison();
-      Args args = p.backward_args();
-      c.change(args);
-      EXPECT_FALSE(bwd.supports(args)) << "supports() accepted what run() must reject";
-      if (c.expect == Case::invalid) {
-        EXPECT_THROW(bwd.run(args, ws.get(), s), qbl::invalid_argument);
-      } else {
-        EXPECT_THROW(bwd.run(args, ws.get(), s), qbl::out_of_range);
-      }
-      expect_untouched();
-    }
+/// A forward plan of type triple T (a qbl::LayerTypes<X, G, L>) for 512 tokens over
+/// qbl_test::ForwardBuffers, and a workspace of what the plan asks for.
+template <typename T>
+struct ForwardSetup {
+  using X = typename T::x_type;
+  using G = typename T::gemm_type;
+  using L = typename T::logits_type;
+  using Plan = qbl::ForwardPlan<X, G, L>;
+  using Args = typename Plan::ForwardArgs;
+  using Buffers = qbl_test::ForwardBuffers<X, G, L>;
+  const Buffers buffers;
+  Plan plan{Buffers::in, Buffers::out, 512};
+  Workspace ws{plan.workspace_bytes()};
+  /// The full forward's arguments, every pointer set, for all the tokens.
+  Args good() const { return buffers.template arguments<Args>(); }
+};
+
+template <typename List>
+struct ForwardSetupsOf;
+template <typename... T>
+struct ForwardSetupsOf<qbl::TypeList<T...>> {
+  using type = std::tuple<std::unique_ptr<ForwardSetup<T>>...>;
+};
+
+/// A ForwardSetup for every supported type triple, its buffers filled from a fresh seed each.
+class ForwardPlanArguments : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    QBL_REQUIRE_GPU();
+    qbl::for_each_type(qbl::SupportedTypes{}, [&](auto t) {
+      auto& s = setup<decltype(t)>();
+      s = std::make_unique<ForwardSetup<decltype(t)>>();
+      QBL_ASSERT_CUDA(s->buffers.fill(qbl_test::fresh_seed()));
+    });
   }
-  {
-    SCOPED_TRACE("null workspace");
-    poison();
-    EXPECT_TRUE(bwd.supports(p.backward_args()));
-    EXPECT_THROW(bwd.run(p.backward_args(), nullptr, &side), qbl::invalid_argument);
+
+  /// f(setup) for every supported type triple, in qbl::SupportedTypes's order, its types traced.
+  template <typename F>
+  void for_each_triple(F&& f) {
+    qbl::for_each_type(qbl::SupportedTypes{}, [&](auto t) {
+      SCOPED_TRACE(qbl_test::types_name(qbl_test::triple_of<decltype(t)>()));
+      f(*setup<decltype(t)>());
+    });
+  }
+
+ private:
+  template <typename T>
+  std::unique_ptr<ForwardSetup<T>>& setup() {
+    return std::get<std::unique_ptr<ForwardSetup<T>>>(setups_);
+  }
+  ForwardSetupsOf<qbl::SupportedTypes>::type setups_;
+};
+
+class ForwardPlanBadArgument : public ForwardPlanArguments,
+                               public ::testing::WithParamInterface<ForwardCase> {};
+
+// For every supported type triple and both amax sources, the full forward with one argument
+// changed throws its type before anything is launched -- out, mixed and stats keep their poison --
+// and supports() says no to the same arguments.
+TEST_P(ForwardPlanBadArgument, ThrowsItsTypeAndWritesNothing) {
+  const ForwardCase& c = GetParam();
+  for_each_triple([&](auto& s) {
+    for (const qbl::AmaxSource source : {qbl::AmaxSource::x, qbl::AmaxSource::stats}) {
+      SCOPED_TRACE(source == qbl::AmaxSource::x ? "amax from x" : "amax from stats");
+      auto args = s.good();
+      args.amax_source = source;
+      make_bad(c.bad, args, s.buffers);
+      QBL_ASSERT_CUDA(s.buffers.poison());
+      EXPECT_FALSE(s.plan.supports(args));
+      if (c.throws == Throws::invalid_argument) {
+        EXPECT_THROW(s.plan.run(args, s.ws.get()), qbl::invalid_argument);
+      } else {
+        EXPECT_THROW(s.plan.run(args, s.ws.get()), qbl::out_of_range);
+      }
+      QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+      EXPECT_TRUE(s.buffers.untouched());
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Each, ForwardPlanBadArgument, ::testing::ValuesIn(forward_cases),
+                         [](const ::testing::TestParamInfo<ForwardCase>& i) {
+                           return std::string(i.param.name);
+                         });
+
+// Good arguments with a null workspace: supports() says yes (it does not see the workspace), run()
+// throws qbl::invalid_argument before anything is launched.
+TEST_F(ForwardPlanArguments, NullWorkspaceThrowsInvalidArgumentAndWritesNothing) {
+  for_each_triple([&](auto& s) {
+    QBL_ASSERT_CUDA(s.buffers.poison());
+    EXPECT_TRUE(s.plan.supports(s.good()));
+    EXPECT_THROW(s.plan.run(s.good(), nullptr), qbl::invalid_argument);
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    EXPECT_TRUE(s.buffers.untouched());
+  });
+}
+
+// A moved-from plan says no in supports() and throws qbl::logic_error from run().
+TEST_F(ForwardPlanArguments, UseAfterMoveThrowsLogicErrorAndWritesNothing) {
+  for_each_triple([&](auto& s) {
+    QBL_ASSERT_CUDA(s.buffers.poison());
+    typename std::decay_t<decltype(s)>::Plan taken = std::move(s.plan);
+    EXPECT_FALSE(s.plan.supports(s.good()));
+    EXPECT_THROW(s.plan.run(s.good(), s.ws.get()), qbl::logic_error);
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    EXPECT_TRUE(s.buffers.untouched());
+  });
+}
+
+/// The backward's tokens limit in its bad-argument tests.
+constexpr std::int64_t backward_max_tokens = 512;
+
+/// One bad argument of the backward (fp32): the test's name, the change made to the full
+/// backward's arguments over a Problem, what run() throws.
+struct BackwardCase {
+  const char* name;
+  void (*change)(Bwd::BackwardArgs& a, Problem& p);
+  Throws throws;
+};
+
+void PrintTo(const BackwardCase& c, std::ostream* os) { *os << c.name; }
+
+using BArgs = Bwd::BackwardArgs;
+constexpr Throws invalid = Throws::invalid_argument;
+
+const BackwardCase backward_cases[] = {
+    {"NullGradOut", [](BArgs& a, Problem&) { a.grad_out = nullptr; }, invalid},
+    {"NullWeightGradXWanted", [](BArgs& a, Problem&) { a.weight = nullptr; }, invalid},
+    {"NullLogitsGradXWanted", [](BArgs& a, Problem&) { a.logits = nullptr; }, invalid},
+    {"NullWeightGradLogitsWanted",
+     [](BArgs& a, Problem&) { a.weight = nullptr, a.grad_x = nullptr; }, invalid},
+    {"NullLogitsGradLogitsWanted",
+     [](BArgs& a, Problem&) { a.logits = nullptr, a.grad_x = nullptr; }, invalid},
+    {"NullXGradLogitsWanted", [](BArgs& a, Problem&) { a.x = nullptr; }, invalid},
+    {"NullStatsGradXWanted", [](BArgs& a, Problem&) { a.stats = nullptr; }, invalid},
+    // A null mixed is recomputed where grad_weight is wanted: from x, logits and stats.
+    {"NullMixedAndXOnlyGradWeightAndGradBiasWanted",
+     [](BArgs& a, Problem&) {
+       a.mixed = nullptr, a.x = nullptr, a.grad_x = nullptr, a.grad_logits = nullptr;
+     },
+     invalid},
+    {"NullMixedAndStatsOnlyGradWeightAndGradBiasWanted",
+     [](BArgs& a, Problem&) {
+       a.mixed = nullptr, a.stats = nullptr, a.grad_x = nullptr, a.grad_logits = nullptr;
+     },
+     invalid},
+    {"NullMixedAndLogitsOnlyGradWeightWanted",
+     [](BArgs& a, Problem&) {
+       a.mixed = nullptr, a.logits = nullptr, a.grad_x = nullptr, a.grad_logits = nullptr;
+       a.grad_bias = nullptr;
+     },
+     invalid},
+    {"MisalignedGradOut", [](BArgs& a, Problem&) { a.grad_out = odd(a.grad_out); }, invalid},
+    {"MisalignedX", [](BArgs& a, Problem&) { a.x = odd(a.x); }, invalid},
+    {"MisalignedWeight", [](BArgs& a, Problem&) { a.weight = odd(a.weight); }, invalid},
+    {"MisalignedMixed", [](BArgs& a, Problem&) { a.mixed = odd(a.mixed); }, invalid},
+    {"MisalignedStats", [](BArgs& a, Problem&) { a.stats = odd(a.stats); }, invalid},
+    {"MisalignedGradX", [](BArgs& a, Problem&) { a.grad_x = odd(a.grad_x); }, invalid},
+    {"MisalignedGradWeight", [](BArgs& a, Problem&) { a.grad_weight = odd(a.grad_weight); },
+     invalid},
+    {"MisalignedGradBias", [](BArgs& a, Problem&) { a.grad_bias = odd(a.grad_bias); }, invalid},
+    {"NegativeTokens", [](BArgs& a, Problem&) { a.tokens = -1; }, invalid},
+    {"TokensAboveMaxTokens", [](BArgs& a, Problem&) { a.tokens = backward_max_tokens + 1; },
+     Throws::out_of_range},
+    {"GradXIsX", [](BArgs& a, Problem& p) { a.grad_x = p.x.get(); }, invalid},
+    {"GradXOverlapsGradOut", [](BArgs& a, Problem& p) { a.grad_x = p.go.get() + 100; }, invalid},
+    {"GradLogitsIsLogits", [](BArgs& a, Problem& p) { a.grad_logits = p.l.get(); }, invalid},
+    {"GradWeightIsWeight", [](BArgs& a, Problem& p) { a.grad_weight = p.w.get(); }, invalid},
+    {"GradWeightOverlapsMixed", [](BArgs& a, Problem& p) { a.grad_weight = p.mixed.get() + 7; },
+     invalid},
+    {"GradBiasOverlapsStats", [](BArgs& a, Problem& p) { a.grad_bias = p.stats.get(); }, invalid},
+    {"GradBiasInsideGradWeight", [](BArgs& a, Problem&) { a.grad_bias = a.grad_weight + 10; },
+     invalid},
+    {"GradLogitsInsideGradX", [](BArgs& a, Problem&) { a.grad_logits = a.grad_x + 3; }, invalid},
+};
+static_assert(std::size(backward_cases) == 28, "the backward's table has 28 bad arguments");
+
+/// The backward's bad-argument setup (fp32): a Problem of 300 tokens, 128 -> 64 features, with the
+/// forward already run, plans for 512 tokens, a workspace for both, a side stream, and the bits
+/// that x and weight held before any backward.
+class BackwardPlanArguments : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    QBL_REQUIRE_GPU();
+    p_.emplace(300, 128, 64, qbl_test::fresh_seed());
+    Problem& p = *p_;
+    fwd_.emplace(p.in, p.out, backward_max_tokens);
+    bwd_.emplace(p.in, p.out, backward_max_tokens);
+    ws_.emplace(std::max(fwd_->workspace_bytes(), bwd_->workspace_bytes()));
+    side_.emplace();
+    p.poison();
+    fwd_->run(p.forward_args(), ws_->get());
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    x_before_.resize(p.x.size());
+    w_before_.resize(p.w.size());
+    QBL_ASSERT_CUDA(qbl_test::to_host(x_before_, p.x.get()));
+    QBL_ASSERT_CUDA(qbl_test::to_host(w_before_, p.w.get()));
+  }
+
+  void poison_gradients() {
+    for (auto* a : p_->gradients())
+      QBL_ASSERT_CUDA(cudaMemset(a->get(), qbl_test::poison_byte, a->size() * sizeof(float)));
+  }
+
+  /// Every gradient output keeps its poison, x and weight their values.
+  void expect_untouched() {
+    EXPECT_TRUE(p_->gradients_untouched());
+    std::vector<float> x(x_before_.size()), w(w_before_.size());
+    QBL_ASSERT_CUDA(qbl_test::to_host(x, p_->x.get()));
+    QBL_ASSERT_CUDA(qbl_test::to_host(w, p_->w.get()));
+    EXPECT_TRUE(qbl_test::bits_equal(x, x_before_)) << "x changed";
+    EXPECT_TRUE(qbl_test::bits_equal(w, w_before_)) << "weight changed";
+  }
+
+  std::optional<Problem> p_;
+  std::optional<Fwd> fwd_;
+  std::optional<Bwd> bwd_;
+  std::optional<Workspace> ws_;
+  std::optional<qbl::SideStream> side_;
+  std::vector<float> x_before_, w_before_;
+};
+
+class BackwardPlanBadArgument : public BackwardPlanArguments,
+                                public ::testing::WithParamInterface<BackwardCase> {};
+
+// With and without a side stream, the full backward (all four gradients) with one argument changed
+// throws its type before anything is launched -- every gradient output keeps its poison, x and
+// weight their values -- and supports() says no to the same arguments.
+TEST_P(BackwardPlanBadArgument, ThrowsItsTypeAndTouchesNothing) {
+  const BackwardCase& c = GetParam();
+  for (qbl::SideStream* s : {&*side_, static_cast<qbl::SideStream*>(nullptr)}) {
+    SCOPED_TRACE(s != nullptr ? "with a side stream" : "without a side stream");
+    poison_gradients();
+    BArgs args = p_->backward_args();
+    c.change(args, *p_);
+    EXPECT_FALSE(bwd_->supports(args)) << "supports() accepted what run() must reject";
+    if (c.throws == Throws::invalid_argument) {
+      EXPECT_THROW(bwd_->run(args, ws_->get(), s), qbl::invalid_argument);
+    } else {
+      EXPECT_THROW(bwd_->run(args, ws_->get(), s), qbl::out_of_range);
+    }
     expect_untouched();
   }
+}
+
+INSTANTIATE_TEST_SUITE_P(Each, BackwardPlanBadArgument, ::testing::ValuesIn(backward_cases),
+                         [](const ::testing::TestParamInfo<BackwardCase>& i) {
+                           return std::string(i.param.name);
+                         });
+
+// Good arguments with a null workspace: supports() says yes, run() throws qbl::invalid_argument
+// before anything is launched.
+TEST_F(BackwardPlanArguments, NullWorkspaceThrowsInvalidArgumentAndTouchesNothing) {
+  poison_gradients();
+  EXPECT_TRUE(bwd_->supports(p_->backward_args()));
+  EXPECT_THROW(bwd_->run(p_->backward_args(), nullptr, &*side_), qbl::invalid_argument);
+  expect_untouched();
 }
 
 // ---- side streams -------------------------------------------------------------------------------
