@@ -884,6 +884,188 @@ struct PinnedFloats {
   PinnedFloats& operator=(const PinnedFloats&) = delete;
 };
 
+/// The capture test's two problems and what they run with: A, captured on stream sa with side_a,
+/// and B, run on stream sb with side_b by the other thread, each with its own workspace. Filled
+/// in by run_serially (the results both must keep) and prepare_for_capture (B's pinned buffers).
+struct CaptureProblems {
+  static constexpr int sets = 3;  ///< A's input sets (x, logits and grad_out)
+  Problem a, b;
+  Workspace wa, wb;
+  Stream sa, sb;
+  qbl::SideStream side_a, side_b;
+  std::vector<std::vector<float>> want_b;  ///< B's gradients from the serial backward
+  std::vector<std::unique_ptr<qbl_test::DeviceArray<float>>> xs, ls, gos;  ///< A's input sets
+  std::vector<std::vector<std::vector<float>>> want_a;  ///< A's serial outputs of each set
+  std::vector<std::unique_ptr<PinnedFloats>> host_b;    ///< where B's thread reads its gradients
+  CaptureProblems(const Fwd& fwd, const Bwd& bwd, std::int64_t tokens, std::int64_t in,
+                  std::int64_t out, std::uint64_t seed)
+      : a(tokens, in, out, seed),
+        b(tokens, in, out, seed + 100),
+        wa(std::max(fwd.workspace_bytes(), bwd.workspace_bytes())),
+        wb(std::max(fwd.workspace_bytes(), bwd.workspace_bytes())) {}
+};
+
+/// The serial runs on the default stream, after the uploads and poisons that went there. B: its
+/// forward once, then the serial backward's gradients, what B's thread must keep getting. A: the
+/// direct serial results of `sets` input sets, the inputs kept on the device for the replays.
+void run_serially(CaptureProblems& t, const Fwd& fwd, const Bwd& bwd, std::uint64_t seed) {
+  t.b.poison();
+  fwd.run(t.b.forward_args(), t.wb.get());
+  bwd.run(t.b.backward_args(), t.wb.get(), nullptr);
+  t.want_b = Problem::read(t.b.gradients(), nullptr);
+  for (int k = 0; k < CaptureProblems::sets; ++k) {
+    t.a.upload(seed + 1000 * (k + 1));
+    t.a.poison();
+    fwd.run(t.a.forward_args(), t.wa.get());
+    bwd.run(t.a.backward_args(), t.wa.get(), nullptr);
+    t.want_a.push_back(t.a.outputs());
+    for (auto [dst, src] : {std::pair{&t.xs, &t.a.x}, {&t.ls, &t.a.l}, {&t.gos, &t.a.go}}) {
+      dst->push_back(std::make_unique<qbl_test::DeviceArray<float>>(src->size()));
+      QBL_ASSERT_CUDA(cudaMemcpy(dst->back()->get(), src->get(), src->size() * sizeof(float),
+                                 cudaMemcpyDeviceToDevice));
+    }
+  }
+  EXPECT_FALSE(qbl_test::bits_equal(t.want_a[0][3], t.want_a[1][3]))
+      << "different inputs, same grad_x";
+}
+
+/// Streams A and B are non-blocking: nothing orders them after the default stream's work but a
+/// synchronization. Then both side streams are used once outside any capture, and B's pinned
+/// buffers are allocated.
+void prepare_for_capture(CaptureProblems& t, const Bwd& bwd) {
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  bwd.run(t.a.backward_args(), t.wa.get(), &t.side_a, t.sa.s);
+  bwd.run(t.b.backward_args(), t.wb.get(), &t.side_b, t.sb.s);
+  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_TRUE(same_bytes(Problem::read(t.b.gradients(), nullptr), t.want_b));
+  for (auto* g : t.b.gradients()) {
+    t.host_b.push_back(std::make_unique<PinnedFloats>(g->size()));
+    ASSERT_NE(t.host_b.back()->p, nullptr);
+  }
+}
+
+/// B's thread: backwards until told to stop, each checked against the serial result.
+class BackwardRunner {
+ public:
+  /// `done` counts the finished backwards, and gains 1 << 20 when the thread ends.
+  static constexpr int ended = 1 << 20;
+  std::atomic<bool> stop{false};
+  std::atomic<int> done{0};
+  int mismatches = 0;
+  std::string error;
+
+  void start(CaptureProblems& t, const Bwd& bwd, int device) {
+    thread_ = std::thread([this, &t, &bwd, device] { run(t, bwd, device); });
+  }
+  void stop_and_join() {
+    stop = true;
+    thread_.join();
+  }
+  int finished() const { return done.load() & (ended - 1); }
+
+  /// Waits (no CUDA call) until the runner has finished `n` more backwards, or failed, or 300 s
+  /// have passed (generous: under compute-sanitizer a backward takes seconds).
+  bool wait_for(int n) {
+    const int target = finished() + n;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
+    while (done.load() < target && done.load() < ended &&
+           std::chrono::steady_clock::now() < deadline)
+      std::this_thread::yield();
+    return done.load() >= target && done.load() < ended;
+  }
+
+ private:
+  void run(CaptureProblems& t, const Bwd& bwd, int device) {
+    try {
+      if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice");
+      const auto grads = t.b.gradients();
+      while (!stop.load()) {
+        for (auto* g : grads)
+          if (cudaMemsetAsync(g->get(), qbl_test::poison_byte, g->size() * sizeof(float), t.sb.s) !=
+              cudaSuccess)
+            throw std::runtime_error("cudaMemsetAsync on B");
+        bwd.run(t.b.backward_args(), t.wb.get(), &t.side_b, t.sb.s);
+        for (std::size_t i = 0; i < grads.size(); ++i)
+          if (cudaMemcpyAsync(t.host_b[i]->p, grads[i]->get(), grads[i]->size() * sizeof(float),
+                              cudaMemcpyDeviceToHost, t.sb.s) != cudaSuccess)
+            throw std::runtime_error("cudaMemcpyAsync on B");
+        const cudaError_t e = cudaStreamSynchronize(t.sb.s);
+        if (e != cudaSuccess)
+          throw std::runtime_error(std::string("cudaStreamSynchronize(B): ") + cudaGetErrorName(e));
+        mismatches += !same_pinned(t);
+        done.fetch_add(1);
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    done.fetch_add(ended);  // wakes a waiting capture thread whatever happened
+  }
+  /// Do B's gradients, as last copied to the pinned buffers, equal the serial ones?
+  static bool same_pinned(const CaptureProblems& t) {
+    bool same = true;
+    for (std::size_t i = 0; i < t.want_b.size(); ++i)
+      same = same && std::memcmp(t.host_b[i]->p, t.want_b[i].data(),
+                                 t.want_b[i].size() * sizeof(float)) == 0;
+    return same;
+  }
+  std::thread thread_;
+};
+
+/// The capture of A's forward and backward, on this thread, while the runner runs: held open
+/// until the runner has finished two more backwards. Stops the runner and checks what it and the
+/// capture did; returns the graph (null where the capture failed to begin or end).
+cudaGraph_t capture_while_running(CaptureProblems& t, const Fwd& fwd, const Bwd& bwd,
+                                  BackwardRunner& runner, cudaStreamCaptureMode mode) {
+  const bool running = runner.wait_for(1);
+  EXPECT_TRUE(running) << "the other thread never completed a backward: " << runner.error;
+  cudaGraph_t graph = nullptr;
+  cudaError_t begin = cudaStreamBeginCapture(t.sa.s, mode), end = cudaErrorUnknown;
+  EXPECT_EQ(begin, cudaSuccess);
+  bool overlapped = false;
+  if (begin == cudaSuccess) {
+    std::string thrown;
+    try {
+      fwd.run(t.a.forward_args(), t.wa.get(), t.sa.s);
+      bwd.run(t.a.backward_args(), t.wa.get(), &t.side_a, t.sa.s);
+    } catch (const std::exception& e) {
+      thrown = e.what();
+    }
+    overlapped = running && runner.wait_for(2);
+    end = cudaStreamEndCapture(t.sa.s, &graph);
+    EXPECT_EQ(thrown, "") << "a plan threw inside the capture";
+  }
+  runner.stop_and_join();
+  EXPECT_EQ(end, cudaSuccess) << "the capture broke: " << cudaGetErrorName(end);
+  EXPECT_TRUE(overlapped) << "the other thread did not finish two backwards during the capture";
+  EXPECT_EQ(runner.error, "") << "the other thread failed";
+  EXPECT_EQ(runner.mismatches, 0) << "of " << runner.finished() << " backwards on B";
+  return graph;
+}
+
+/// The graph replayed with each of A's input sets in turn, twice over, copied into the captured
+/// buffers: every replay gives the direct serial results of its set bit for bit. Destroys the
+/// graph.
+void replay_and_compare(CaptureProblems& t, cudaGraph_t graph) {
+  cudaGraphExec_t exec = nullptr;
+  QBL_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 2 * CaptureProblems::sets; ++rep) {
+    const int k = rep % CaptureProblems::sets;
+    SCOPED_TRACE("replay " + std::to_string(rep) + ", input set " + std::to_string(k));
+    for (auto [dst, src] : {std::pair{&t.a.x, &t.xs}, {&t.a.l, &t.ls}, {&t.a.go, &t.gos}})
+      QBL_ASSERT_CUDA(cudaMemcpyAsync(dst->get(), (*src)[k]->get(), dst->size() * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, t.sa.s));
+    for (auto* o : t.a.all())
+      QBL_ASSERT_CUDA(
+          cudaMemsetAsync(o->get(), qbl_test::poison_byte, o->size() * sizeof(float), t.sa.s));
+    QBL_ASSERT_CUDA(cudaGraphLaunch(exec, t.sa.s));
+    const auto got = t.a.outputs(t.sa.s);
+    for (std::size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(qbl_test::bits_equal(got[i], t.want_a[k][i])) << output_names[i];
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 // One thread captures a forward and backward on its stream A, wgrad beside dgrad on its own
 // qbl::SideStream, while another thread keeps running backwards of the same plans on stream B
 // with a second SideStream. The capture must end cleanly -- nothing of B's work enters it, and
@@ -904,140 +1086,17 @@ void capture_while_another_thread_runs(cudaStreamCaptureMode mode) {
   ASSERT_TRUE(bwd.overlaps(tokens));
   int device = 0;
   QBL_ASSERT_CUDA(cudaGetDevice(&device));
-  Problem a(tokens, in, out, seed), b(tokens, in, out, seed + 100);
-  Workspace wa(std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
-  Workspace wb(std::max(fwd.workspace_bytes(), bwd.workspace_bytes()));
-  Stream sa, sb;
-  qbl::SideStream side_a, side_b;
-
-  // The serial runs on the default stream, after the uploads and poisons that went there.
-  // B: its forward once, then the serial backward's gradients, what B's thread must keep getting.
-  b.poison();
-  fwd.run(b.forward_args(), wb.get());
-  bwd.run(b.backward_args(), wb.get(), nullptr);
-  const auto want_b = Problem::read(b.gradients(), nullptr);
-  // A: the direct serial results of three input sets (x, logits and grad_out), kept on the device
-  // for the replays.
-  constexpr int sets = 3;
-  std::vector<std::unique_ptr<qbl_test::DeviceArray<float>>> xs, ls, gos;
-  std::vector<std::vector<std::vector<float>>> want_a;
-  for (int k = 0; k < sets; ++k) {
-    a.upload(seed + 1000 * (k + 1));
-    a.poison();
-    fwd.run(a.forward_args(), wa.get());
-    bwd.run(a.backward_args(), wa.get(), nullptr);
-    want_a.push_back(a.outputs());
-    for (auto [dst, src] : {std::pair{&xs, &a.x}, {&ls, &a.l}, {&gos, &a.go}}) {
-      dst->push_back(std::make_unique<qbl_test::DeviceArray<float>>(src->size()));
-      QBL_ASSERT_CUDA(cudaMemcpy(dst->back()->get(), src->get(), src->size() * sizeof(float),
-                                 cudaMemcpyDeviceToDevice));
-    }
-  }
-  EXPECT_FALSE(qbl_test::bits_equal(want_a[0][3], want_a[1][3])) << "different inputs, same grad_x";
-  // Streams A and B are non-blocking: nothing orders them after the default stream's work but
-  // this synchronization. Then both side streams are used once outside any capture.
-  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-  bwd.run(a.backward_args(), wa.get(), &side_a, sa.s);
-  bwd.run(b.backward_args(), wb.get(), &side_b, sb.s);
-  QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-  EXPECT_TRUE(same_bytes(Problem::read(b.gradients(), nullptr), want_b));
-  std::vector<std::unique_ptr<PinnedFloats>> host_b;
-  for (auto* g : b.gradients()) {
-    host_b.push_back(std::make_unique<PinnedFloats>(g->size()));
-    ASSERT_NE(host_b.back()->p, nullptr);
-  }
-
-  // B's thread: backwards until told to stop, each checked against the serial result.
-  std::atomic<bool> stop{false};
-  std::atomic<int> done{0};
-  int mismatches = 0;
-  std::string error;
-  std::thread runner([&] {
-    try {
-      if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice");
-      const auto grads = b.gradients();
-      while (!stop.load()) {
-        for (auto* g : grads)
-          if (cudaMemsetAsync(g->get(), qbl_test::poison_byte, g->size() * sizeof(float), sb.s) !=
-              cudaSuccess)
-            throw std::runtime_error("cudaMemsetAsync on B");
-        bwd.run(b.backward_args(), wb.get(), &side_b, sb.s);
-        for (std::size_t i = 0; i < grads.size(); ++i)
-          if (cudaMemcpyAsync(host_b[i]->p, grads[i]->get(), grads[i]->size() * sizeof(float),
-                              cudaMemcpyDeviceToHost, sb.s) != cudaSuccess)
-            throw std::runtime_error("cudaMemcpyAsync on B");
-        const cudaError_t e = cudaStreamSynchronize(sb.s);
-        if (e != cudaSuccess)
-          throw std::runtime_error(std::string("cudaStreamSynchronize(B): ") + cudaGetErrorName(e));
-        bool same = true;
-        for (std::size_t i = 0; i < grads.size(); ++i)
-          same = same &&
-                 std::memcmp(host_b[i]->p, want_b[i].data(), want_b[i].size() * sizeof(float)) == 0;
-        mismatches += !same;
-        done.fetch_add(1);
-      }
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    done.fetch_add(1 << 20);  // wakes a waiting capture thread whatever happened
-  });
-  // Waits (no CUDA call) until the runner has finished `n` more backwards, or failed, or 300 s
-  // have passed (generous: under compute-sanitizer a backward takes seconds).
-  auto wait_for = [&](int n) {
-    const int target = (done.load() & ((1 << 20) - 1)) + n;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
-    while (done.load() < target && done.load() < (1 << 20) &&
-           std::chrono::steady_clock::now() < deadline)
-      std::this_thread::yield();
-    return done.load() >= target && done.load() < (1 << 20);
-  };
-
-  // The capture, on this thread, while the runner runs: held open until the runner has finished
-  // two more backwards.
-  const bool running = wait_for(1);
-  EXPECT_TRUE(running) << "the other thread never completed a backward: " << error;
-  cudaGraph_t graph = nullptr;
-  cudaError_t begin = cudaStreamBeginCapture(sa.s, mode), end = cudaErrorUnknown;
-  EXPECT_EQ(begin, cudaSuccess);
-  bool overlapped = false;
-  if (begin == cudaSuccess) {
-    std::string thrown;
-    try {
-      fwd.run(a.forward_args(), wa.get(), sa.s);
-      bwd.run(a.backward_args(), wa.get(), &side_a, sa.s);
-    } catch (const std::exception& e) {
-      thrown = e.what();
-    }
-    overlapped = running && wait_for(2);
-    end = cudaStreamEndCapture(sa.s, &graph);
-    EXPECT_EQ(thrown, "") << "a plan threw inside the capture";
-  }
-  stop = true;
-  runner.join();
-  EXPECT_EQ(end, cudaSuccess) << "the capture broke: " << cudaGetErrorName(end);
-  EXPECT_TRUE(overlapped) << "the other thread did not finish two backwards during the capture";
-  EXPECT_EQ(error, "") << "the other thread failed";
-  EXPECT_EQ(mismatches, 0) << "of " << (done.load() & ((1 << 20) - 1)) << " backwards on B";
+  CaptureProblems t(fwd, bwd, tokens, in, out, seed);
+  run_serially(t, fwd, bwd, seed);
+  if (::testing::Test::HasFatalFailure()) return;
+  prepare_for_capture(t, bwd);
+  if (::testing::Test::HasFatalFailure()) return;
+  BackwardRunner runner;
+  runner.start(t, bwd, device);
+  const cudaGraph_t graph = capture_while_running(t, fwd, bwd, runner, mode);
   cudaGetLastError();
   if (graph == nullptr) return;
-  cudaGraphExec_t exec = nullptr;
-  QBL_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  for (int rep = 0; rep < 2 * sets; ++rep) {
-    const int k = rep % sets;
-    SCOPED_TRACE("replay " + std::to_string(rep) + ", input set " + std::to_string(k));
-    for (auto [dst, src] : {std::pair{&a.x, &xs}, {&a.l, &ls}, {&a.go, &gos}})
-      QBL_ASSERT_CUDA(cudaMemcpyAsync(dst->get(), (*src)[k]->get(), dst->size() * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, sa.s));
-    for (auto* o : a.all())
-      QBL_ASSERT_CUDA(
-          cudaMemsetAsync(o->get(), qbl_test::poison_byte, o->size() * sizeof(float), sa.s));
-    QBL_ASSERT_CUDA(cudaGraphLaunch(exec, sa.s));
-    const auto got = a.outputs(sa.s);
-    for (std::size_t i = 0; i < got.size(); ++i)
-      EXPECT_TRUE(qbl_test::bits_equal(got[i], want_a[k][i])) << output_names[i];
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  replay_and_compare(t, graph);
 }
 
 TEST(LayerPlans, GraphCapturedInThreadLocalModeWhileAnotherThreadRunsBackwards) {
