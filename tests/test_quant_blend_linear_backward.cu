@@ -1011,8 +1011,8 @@ void replay_logged_case(const BwdCase& c, const std::string& logged) {
 // that this suite used before its bounds were derived from the arithmetic: a 187-term fp32 dot
 // product (dgrad of one token, out = 187) with cancellation, relative error 2.0205e-05 against a
 // limit of 2.0021e-05. Nothing was wrong with the layer; the element-wise bound of
-// tests/tolerance.hpp holds it.
-TEST(LayerBackwardProperty, RegressionCaseOfSeed10071686998254454627) {
+// tests/tolerance.hpp holds it. Logged as case 545 of seed 10071686998254454627.
+TEST(LayerBackwardProperty, Fp32DgradOf187TermsWithCancellationIsWithinTheElementwiseBound) {
   QBL_REQUIRE_GPU();
   BwdCase c = make_backward_case(10071686998254454627ull, 545);
   c.gemm = DType::tf32, c.gate_in_gemm_type = false;  // the fields drawn after it was logged
@@ -1025,8 +1025,8 @@ TEST(LayerBackwardProperty, RegressionCaseOfSeed10071686998254454627) {
 // A case of fp16 logits (x fp32, in = 1, x_std 948) where g_mixed * x_q and g_mixed * x, finite in
 // float32, lie beyond fp16's range: cast to the logits' dtype both are infinite and grad_alpha is
 // inf - inf = NaN, as autograd computes it. The reference's interval once came out as
-// [NaN, NaN] and admitted nothing.
-TEST(LayerBackwardProperty, RegressionCaseOfSeed14087370335047220017) {
+// [NaN, NaN] and admitted nothing. Logged as case 436 of seed 14087370335047220017.
+TEST(LayerBackwardProperty, GradLogitsIsNaNWhereItsProductsOverflowFp16Logits) {
   QBL_REQUIRE_GPU();
   replay_logged_case(make_backward_case(14087370335047220017ull, 436),
                      "fp32 gemm fp16 logits fp16 tokens 83 in 1 out 150 max_tokens 141 in_off 8 "
