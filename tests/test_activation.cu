@@ -13,6 +13,7 @@
 #include "test_support.hpp"
 #include "test_support_device.cuh"
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -53,17 +54,73 @@ double silu_grad(double h) {
 double relu(double h) { return h > 0 ? h : 0.0; }
 double relu_grad(double h) { return h > 0 ? 1.0 : 0.0; }
 
+// ---- what fp32 arithmetic on each expression may lose, derived from its operations ------------
+//
+// Beyond a few units of fp32's last place of the result (the relative part, 8u, in close()
+// below), an expression loses what a cancellation amplifies: 1 + erf(h / sqrt(2)) and 1 + tanh(.)
+// near h << 0, where erf and tanh are near -1 and carry an absolute error of up to E (the CUDA
+// math library's erff and tanhf: 2 ulp, 2u for values in [0.5, 1); E leaves 2x), and the rounding
+// of an exponent's argument (exp(-0.5 h h) grows its relative error by 0.5 h^2 u). The absolute
+// parts below are these losses only: no term in |h| alone, so that a wrong tail (gelu(-5) =
+// -1.4e-6, silu(-20) = -4.1e-8) is caught wherever fp32 can represent it at all.
+constexpr double u = 0x1p-24;
+constexpr double E = 4 * u;
+
+double sigmoid64(double h) { return 1.0 / (1.0 + std::exp(-h)); }
+
+double erf_gelu_loss(double h) { return 0.5 * std::fabs(h) * E; }
+double erf_gelu_grad_loss(double h) {
+  const double pi = 3.14159265358979323846;
+  const double cdf = 0.5 * (1.0 + std::erf(h / std::sqrt(2.0)));
+  const double h_pdf = h * std::exp(-0.5 * h * h) / std::sqrt(2 * pi);
+  return 0.5 * E + 8 * u * std::fabs(cdf) + (8 + 0.5 * h * h) * u * std::fabs(h_pdf);
+}
+/// The tanh form: the argument's relative error (4u) moves tanh by (1 - t^2) |inner| 4u, which the
+/// cancellation in 1 + t amplifies as E does.
+double tanh_gelu_error_of_one_plus_t(double h) {
+  const double pi = 3.14159265358979323846, c = std::sqrt(2.0 / pi);
+  const double inner = c * (h + 0.044715 * h * h * h);
+  const double t = std::tanh(inner);
+  return E + (1.0 - t * t) * std::fabs(inner) * 4 * u;
+}
+double tanh_gelu_loss(double h) { return 0.5 * std::fabs(h) * tanh_gelu_error_of_one_plus_t(h); }
+double tanh_gelu_grad_loss(double h) {
+  const double pi = 3.14159265358979323846, c = std::sqrt(2.0 / pi);
+  const double t = std::tanh(c * (h + 0.044715 * h * h * h));
+  const double e = tanh_gelu_error_of_one_plus_t(h);
+  const double inner_derivative = c * (1.0 + 3.0 * 0.044715 * h * h);
+  const double left = 0.5 * (1.0 + t), right = 0.5 * h * (1.0 - t * t) * inner_derivative;
+  // 1 - t^2 = fma(-t, t, 1) with t off by e: off by 2|t| e.
+  return 0.5 * e + std::fabs(h) * inner_derivative * e +
+         8 * u * (std::fabs(left) + std::fabs(right));
+}
+/// Where exp(-h) overflows fp32 (-h above log(FLT_MAX)), 1 + exp(-h) is Inf and SiLU and its
+/// gradient are 0 instead of a value below 1e-36: all of it lost.
+bool silu_exp_overflows(double h) { return -h > std::log(static_cast<double>(FLT_MAX)); }
+/// No cancellation in h / (1 + exp(-h)).
+double silu_loss(double h) { return silu_exp_overflows(h) ? std::fabs(silu(h)) : 0.0; }
+/// s (1 + h (1 - s)): 1 - s off by about 6u s, times h; the sum with 1 may cancel.
+double silu_grad_loss(double h) {
+  if (silu_exp_overflows(h)) return std::fabs(silu_grad(h));
+  return 8 * u * sigmoid64(h) * (1.0 + std::fabs(h));
+}
+double exact_loss(double) { return 0.0; }  // relu: a compare and a select
+
 struct Formula {
   double (*f)(double);
   double (*grad)(double);
+  double (*f_loss)(double);     ///< the forward's absolute loss beyond 8u of the result
+  double (*grad_loss)(double);  ///< the gradient's, per unit of the incoming dy
 };
 
 template <typename Act>
 Formula formula() {
-  if constexpr (std::is_same_v<Act, qbl::Gelu>) return {erf_gelu, erf_gelu_grad};
-  if constexpr (std::is_same_v<Act, qbl::GeluTanh>) return {tanh_gelu, tanh_gelu_grad};
-  if constexpr (std::is_same_v<Act, qbl::Silu>) return {silu, silu_grad};
-  if constexpr (std::is_same_v<Act, qbl::Relu>) return {relu, relu_grad};
+  if constexpr (std::is_same_v<Act, qbl::Gelu>)
+    return {erf_gelu, erf_gelu_grad, erf_gelu_loss, erf_gelu_grad_loss};
+  if constexpr (std::is_same_v<Act, qbl::GeluTanh>)
+    return {tanh_gelu, tanh_gelu_grad, tanh_gelu_loss, tanh_gelu_grad_loss};
+  if constexpr (std::is_same_v<Act, qbl::Silu>) return {silu, silu_grad, silu_loss, silu_grad_loss};
+  if constexpr (std::is_same_v<Act, qbl::Relu>) return {relu, relu_grad, exact_loss, exact_loss};
 }
 
 /// The inputs the element tests take: a fine grid over [-12, 12], wide random values and the
@@ -78,11 +135,11 @@ std::vector<float> element_inputs() {
   return h;
 }
 
-/// |value - exact| within what fp32 arithmetic on these formulas can lose: a few units of fp32's
-/// last place of the result, plus the cancellation in 1 + erf / 1 + tanh near -|h|, which
-/// eager's fp32 arithmetic has too (bounded by a few ulps of h times the derivative's scale).
-::testing::AssertionResult close(float value, double exact, float h, const char* what) {
-  const double bound = 8.0 * 0x1p-24 * (std::fabs(exact) + std::fabs(h)) + 1e-37;
+/// |value - exact| within 8u of the exact result plus the expression's derived absolute `loss`
+/// (and 1e-37 for results in fp32's subnormal range).
+::testing::AssertionResult close(float value, double exact, double loss, float h,
+                                 const char* what) {
+  const double bound = 8.0 * u * std::fabs(exact) + loss + 1e-37;
   if (std::fabs(static_cast<double>(value) - exact) <= bound) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << what << "(" << h << ") = " << value << ", exact " << exact
                                        << " (bound " << bound << ")";
@@ -105,8 +162,9 @@ void expect_formula(const std::vector<float>& h, const std::vector<float>& y,
   const Formula fm = formula<Act>();
   int bad = 0;
   for (std::size_t i = 0; i < h.size() && bad < 8; ++i) {
-    const auto fwd = close(y[i], fm.f(h[i]), h[i], "forward");
-    const auto bwd = close(dh[i], dy[i] * fm.grad(h[i]), h[i], "backward");
+    const auto fwd = close(y[i], fm.f(h[i]), fm.f_loss(h[i]), h[i], "forward");
+    const auto bwd = close(dh[i], dy[i] * fm.grad(h[i]), std::fabs(dy[i]) * fm.grad_loss(h[i]),
+                           h[i], "backward");
     if (!fwd || !bwd) ++bad;
     EXPECT_TRUE(fwd);
     EXPECT_TRUE(bwd) << " (dy " << dy[i] << ")";
