@@ -306,10 +306,11 @@ class BackwardPlan {
   /// Device bytes run(args) needs: the GEMMs' cuBLASLt workspaces (two where wgrad may run beside
   /// dgrad), the column sum's partial sums, a g_mixed scratch of [tokens, in_features] in G
   /// (where dgrad runs and grad_x is not wanted or is of another type) and, where mixed is
-  /// recomputed (args.mixed null with grad_weight wanted), room for it. Needs no initialization;
-  /// not shared with concurrent work.
+  /// recomputed (args.mixed null with grad_weight wanted), room for it; where the weight comes as
+  /// weight_fp32, room for its cast. Needs no initialization; not shared with concurrent work.
   std::size_t workspace_bytes(const BackwardArgs& args) const noexcept;
-  /// The most any run() with up to `tokens` tokens needs (default: max_tokens).
+  /// The most any run() with up to `tokens` tokens and a weight of type G needs (default:
+  /// max_tokens).
   std::size_t workspace_bytes(std::int64_t tokens) const noexcept;
   std::size_t workspace_bytes() const noexcept { return workspace_bytes(max_tokens()); }
 
