@@ -26,8 +26,11 @@ struct Parameter {
   Parameter(const Tensor& t, ScalarType g) {
     (t.scalar_type() == g ? typed : fp32) = t.contiguous();
   }
-  const void* typed_ptr() const { return typed.defined() ? typed.const_data_ptr() : nullptr; }
-  const float* fp32_ptr() const { return fp32.defined() ? fp32.const_data_ptr<float>() : nullptr; }
+  template <typename G>
+  const G* typed_ptr() const {
+    return const_data<G>(typed);
+  }
+  const float* fp32_ptr() const { return const_data<float>(fp32); }
 };
 
 // The forward, from x's own amax or (stats given) from stats[0]; with an activation, of act(x).
@@ -62,16 +65,20 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& x_in, const Tensor
   // A forward recording autograd will be followed by a backward: plan both now, at one wait.
   const bool training = recorded_by_autograd() || records(x_in, logits_in, weight_in, bias_in);
   const Layer& layer = cached_layer(key, p.tokens, training, stream);
-  ForwardCall c;
-  c.x = x.const_data_ptr(), c.logits = logits.const_data_ptr();
-  c.weight = weight.typed_ptr(), c.weight_fp32 = weight.fp32_ptr();
-  c.bias = bias.typed_ptr(), c.bias_fp32 = bias.fp32_ptr();
-  c.out = out.mutable_data_ptr(), c.mixed = mixed.mutable_data_ptr();
-  c.stats = stats.mutable_data_ptr<float>();
-  c.tokens = p.tokens;
-  c.amax_source = from_stats ? qbl::AmaxSource::stats : qbl::AmaxSource::x;
-  const Tensor ws = workspace(layer.plans->forward_workspace_bytes(c), x);
-  translate([&] { layer.plans->forward(c, ws.mutable_data_ptr(), stream); });
+  dispatch_layer_types(dtypes, [&](auto t) {
+    using X = typename decltype(t)::x_type;
+    using G = typename decltype(t)::gemm_type;
+    using L = typename decltype(t)::logits_type;
+    qbl::ForwardArgs<X, G, L> a;
+    a.x = const_data<X>(x), a.logits = const_data<L>(logits);
+    a.weight = weight.typed_ptr<G>(), a.weight_fp32 = weight.fp32_ptr();
+    a.bias = bias.typed_ptr<G>(), a.bias_fp32 = bias.fp32_ptr();
+    a.out = mutable_data<G>(out), a.mixed = mutable_data<G>(mixed);
+    a.stats = mutable_data<float>(stats), a.tokens = p.tokens;
+    a.amax_source = from_stats ? qbl::AmaxSource::stats : qbl::AmaxSource::x;
+    const Tensor ws = workspace(layer.plans->forward_workspace_bytes(a), x);
+    translate([&] { layer.plans->forward(a, ws.mutable_data_ptr(), stream); });
+  });
   return {out, mixed, stats};
 }
 
@@ -118,6 +125,38 @@ std::array<Tensor, 4> backward_outputs(const BackwardProblem& bp, const Tensor& 
           param(mask[2], weight_in.sizes()), param(bp.want_bias, {bp.p.out_features})};
 }
 
+/// The backward of layer `layer` with element types <X, G, L> on `stream`: the outputs and
+/// whether mixed is given decide what the call reads (the plan's description), and only those
+/// inputs are made contiguous and passed.
+template <typename X, typename G, typename L>
+void run_backward(const Layer& layer, const BackwardProblem& bp, const Tensor& grad_out_in,
+                  const Tensor& x_in, const Tensor& logits_in, const Tensor& weight_in,
+                  const std::optional<Tensor>& mixed_in, const Tensor& stats,
+                  const std::array<Tensor, 4>& grads, std::array<bool, 4> mask,
+                  bool straight_through, int device, cudaStream_t stream) {
+  qbl::BackwardArgs<X, G, L> a;
+  a.tokens = bp.p.tokens;
+  a.grad_x = mask[0] ? mutable_data<X>(grads[0]) : nullptr;
+  a.grad_logits = mask[1] ? mutable_data<L>(grads[1]) : nullptr;
+  a.grad_weight = mask[2] ? mutable_data<G>(grads[2]) : nullptr;
+  a.grad_bias = bp.want_bias ? mutable_data<G>(grads[3]) : nullptr;
+  a.mixed = bp.kept ? const_data<G>(*mixed_in) : nullptr;
+  a.quant_grad = straight_through ? qbl::QuantGrad::straight_through : qbl::QuantGrad::zero;
+  const qbl::BackwardDescription d = layer.plans->describe(a, true);
+  qbl::SideStream* side = d.beside ? side_stream(device, stream) : nullptr;
+  const Tensor grad_out = grad_out_in.contiguous();
+  const Tensor x = d.reads_x ? x_in.contiguous() : Tensor();
+  const Tensor logits = d.reads_gate ? logits_in.contiguous() : Tensor();
+  const Parameter weight = d.reads_weight ? Parameter(weight_in, bp.dtypes.gemm) : Parameter();
+  const Tensor mixed = d.reads_mixed ? mixed_in->contiguous() : Tensor();
+  a.grad_out = const_data<G>(grad_out), a.x = const_data<X>(x), a.logits = const_data<L>(logits);
+  a.weight = weight.typed_ptr<G>(), a.weight_fp32 = weight.fp32_ptr();
+  a.mixed = const_data<G>(mixed);
+  a.stats = d.reads_gate ? const_data<float>(stats) : nullptr;
+  const Tensor ws = workspace(layer.plans->backward_workspace_bytes(a), grad_out);
+  translate([&] { layer.plans->backward(a, ws.mutable_data_ptr(), side, stream); });
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
     const Tensor& grad_out_in, const Tensor& x_in, const Tensor& logits_in, const Tensor& weight_in,
     const std::optional<Tensor>& mixed_in, const Tensor& stats, bool has_bias,
@@ -127,7 +166,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
   const qbl::Activation act = parse_activation(op, activation);
   const BackwardProblem bp = check_backward(op, grad_out_in, x_in, logits_in, weight_in, mixed_in,
                                             stats, has_bias, mask, gemm_dtype);
-  auto [gx, gl, gw, gb] = backward_outputs(bp, x_in, logits_in, weight_in, mask);
+  std::array<Tensor, 4> grads = backward_outputs(bp, x_in, logits_in, weight_in, mask);
+  auto& [gx, gl, gw, gb] = grads;
   if (bp.p.tokens == 0 || !(mask[0] || mask[1] || mask[2] || bp.want_bias)) return {gx, gl, gw, gb};
 
   const c10::cuda::CUDAGuard guard(x_in.device());
@@ -137,31 +177,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward_cuda(
       device,           bp.dtypes,         act,
       bp.p.in_features, bp.p.out_features, allow_tf32 && bp.dtypes.gemm == at::kFloat};
   const Layer& layer = cached_layer(key, bp.p.tokens, true, stream);
-  // The outputs and whether mixed is given decide what the call reads (the plan's description):
-  // only those inputs are made contiguous and passed.
-  BackwardCall c;
-  c.tokens = bp.p.tokens;
-  c.grad_x = mask[0] ? gx.mutable_data_ptr() : nullptr;
-  c.grad_logits = mask[1] ? gl.mutable_data_ptr() : nullptr;
-  c.grad_weight = mask[2] ? gw.mutable_data_ptr() : nullptr;
-  c.grad_bias = bp.want_bias ? gb.mutable_data_ptr() : nullptr;
-  c.mixed = bp.kept ? mixed_in->const_data_ptr() : nullptr;
-  c.quant_grad = straight_through ? qbl::QuantGrad::straight_through : qbl::QuantGrad::zero;
-  const qbl::BackwardDescription d = layer.plans->describe(c, true);
-  qbl::SideStream* side = d.beside ? side_stream(device, stream) : nullptr;
-  const Tensor grad_out = grad_out_in.contiguous();
-  const Tensor x = d.reads_x ? x_in.contiguous() : Tensor();
-  const Tensor logits = d.reads_gate ? logits_in.contiguous() : Tensor();
-  const Parameter weight = d.reads_weight ? Parameter(weight_in, bp.dtypes.gemm) : Parameter();
-  const Tensor mixed = d.reads_mixed ? mixed_in->contiguous() : Tensor();
-  c.grad_out = grad_out.const_data_ptr();
-  c.x = x.defined() ? x.const_data_ptr() : nullptr;
-  c.logits = logits.defined() ? logits.const_data_ptr() : nullptr;
-  c.weight = weight.typed_ptr(), c.weight_fp32 = weight.fp32_ptr();
-  c.mixed = mixed.defined() ? mixed.const_data_ptr() : nullptr;
-  c.stats = d.reads_gate ? stats.const_data_ptr<float>() : nullptr;
-  const Tensor ws = workspace(layer.plans->backward_workspace_bytes(c), grad_out);
-  translate([&] { layer.plans->backward(c, ws.mutable_data_ptr(), side, stream); });
+  dispatch_layer_types(bp.dtypes, [&](auto t) {
+    using T = decltype(t);
+    run_backward<typename T::x_type, typename T::gemm_type, typename T::logits_type>(
+        layer, bp, grad_out_in, x_in, logits_in, weight_in, mixed_in, stats, grads, mask,
+        straight_through, device, stream);
+  });
   if (bp.weight != bp.dtypes.gemm) {
     if (mask[2]) gw = gw.to(bp.weight);
     if (bp.want_bias) gb = gb.to(bp.weight);

@@ -171,7 +171,7 @@ class Registry {
       const LayerPlans& p = *layer->plans;
       for (std::int64_t v : {std::int64_t{k.device}, k.in_features, k.out_features,
                              std::int64_t{k.tf32}, std::int64_t{p.has_backward()}, layer->capacity,
-                             static_cast<std::int64_t>(p.forward_workspace_bytes(ForwardCall{})),
+                             static_cast<std::int64_t>(p.forward_workspace_bytes()),
                              static_cast<std::int64_t>(p.max_backward_workspace_bytes())})
         numbers.push_back(v);
       for (ScalarType t : {k.dtypes.x, k.dtypes.gemm, k.dtypes.logits})

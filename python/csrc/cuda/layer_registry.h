@@ -62,44 +62,61 @@ struct LayerKey {
   }
 };
 
-/// One forward's operands, of the layer's dtypes (qbl::ForwardArgs with untyped pointers).
-struct ForwardCall {
-  const void *x = nullptr, *logits = nullptr, *weight = nullptr, *bias = nullptr;
-  const float *weight_fp32 = nullptr, *bias_fp32 = nullptr;  ///< cast by the plan
-  void *out = nullptr, *mixed = nullptr;
-  float* stats = nullptr;
-  std::int64_t tokens = 0;
-  qbl::AmaxSource amax_source = qbl::AmaxSource::x;
+/// A layer's calls for element types T (a qbl::LayerTypes<X, G, L>), with the library's own
+/// argument structs. Every layer answers them for its own types only: a call of other types is a
+/// binding error (the layer cache keys layers by their dtypes).
+template <typename T>
+class CallsOf {
+ public:
+  using X = typename T::x_type;
+  using G = typename T::gemm_type;
+  using L = typename T::logits_type;
+  using ForwardArgs = qbl::ForwardArgs<X, G, L>;
+  using BackwardArgs = qbl::BackwardArgs<X, G, L>;
+  virtual ~CallsOf() = default;
+  virtual std::size_t forward_workspace_bytes(const ForwardArgs&) const { return other_types(); }
+  /// What backward(args) needs (0 without a backward plan).
+  virtual std::size_t backward_workspace_bytes(const BackwardArgs&) const { return other_types(); }
+  /// What backward(args) does, with a side stream or not (qbl::BackwardPlan::describe).
+  virtual qbl::BackwardDescription describe(const BackwardArgs&, bool) const {
+    other_types();
+    return {};
+  }
+  virtual void forward(const ForwardArgs&, void*, cudaStream_t) const { other_types(); }
+  virtual void backward(const BackwardArgs&, void*, qbl::SideStream*, cudaStream_t) const {
+    other_types();
+  }
+
+ private:
+  static std::size_t other_types() {
+    TORCH_INTERNAL_ASSERT(false, "qbl: a call of other element types than the layer's");
+    return 0;
+  }
 };
 
-/// One backward's operands (qbl::BackwardArgs with untyped pointers); a null mixed with
-/// grad_weight wanted is recomputed.
-struct BackwardCall {
-  const void *grad_out = nullptr, *x = nullptr, *logits = nullptr, *weight = nullptr,
-             *mixed = nullptr;
-  const float* weight_fp32 = nullptr;  ///< a float32 weight with a 16-bit GEMM: cast by the plan
-  const float* stats = nullptr;
-  std::int64_t tokens = 0;
-  void *grad_x = nullptr, *grad_logits = nullptr, *grad_weight = nullptr, *grad_bias = nullptr;
-  qbl::QuantGrad quant_grad = qbl::QuantGrad::zero;
+/// The calls of every type triple of qbl::SupportedTypes, as overloads of one name each.
+template <typename List>
+class CallsOfEach;
+template <typename... T>
+class CallsOfEach<qbl::TypeList<T...>> : public CallsOf<T>... {
+ public:
+  using CallsOf<T>::forward_workspace_bytes...;
+  using CallsOf<T>::backward_workspace_bytes...;
+  using CallsOf<T>::describe...;
+  using CallsOf<T>::forward...;
+  using CallsOf<T>::backward...;
 };
 
 /// One layer's plans, of whatever element types and activation: the forward, and the backward
 /// where it was planned with one. Immutable once made.
-class LayerPlans {
+class LayerPlans : public CallsOfEach<qbl::SupportedTypes> {
  public:
-  virtual ~LayerPlans() = default;
   virtual bool has_backward() const = 0;
-  virtual std::size_t forward_workspace_bytes(const ForwardCall& call) const = 0;
-  /// What backward(call) needs (0 without a backward plan).
-  virtual std::size_t backward_workspace_bytes(const BackwardCall& call) const = 0;
+  /// What a forward with a weight of the GEMM's type needs.
+  virtual std::size_t forward_workspace_bytes() const = 0;
+  using CallsOfEach::forward_workspace_bytes;
   /// The most any backward needs, at the capacity (0 without a backward plan).
   virtual std::size_t max_backward_workspace_bytes() const = 0;
-  /// What backward(call) does, with a side stream or not (qbl::BackwardPlan::describe).
-  virtual qbl::BackwardDescription describe(const BackwardCall& call, bool side) const = 0;
-  virtual void forward(const ForwardCall& call, void* workspace, cudaStream_t stream) const = 0;
-  virtual void backward(const BackwardCall& call, void* workspace, qbl::SideStream* side,
-                        cudaStream_t stream) const = 0;
 };
 
 /// The plans of a layer with activation Act, of the element types `dtypes` (one of

@@ -17,6 +17,8 @@ class PlansOf final : public LayerPlans {
   using L = typename T::logits_type;
   using Forward = qbl::ForwardPlan<X, G, L, Act>;
   using Backward = qbl::BackwardPlan<X, G, L, Act>;
+  using ForwardArgs = qbl::ForwardArgs<X, G, L>;
+  using BackwardArgs = qbl::BackwardArgs<X, G, L>;
 
  public:
   PlansOf(std::int64_t in_features, std::int64_t out_features, std::int64_t capacity, bool backward,
@@ -29,56 +31,35 @@ class PlansOf final : public LayerPlans {
 
   bool has_backward() const override { return backward_ != nullptr; }
 
-  std::size_t forward_workspace_bytes(const ForwardCall& call) const override {
-    return forward_.workspace_bytes(typed(call));
+  std::size_t forward_workspace_bytes() const override { return forward_.workspace_bytes(); }
+
+  std::size_t forward_workspace_bytes(const ForwardArgs& args) const override {
+    return forward_.workspace_bytes(args);
   }
 
-  std::size_t backward_workspace_bytes(const BackwardCall& call) const override {
-    return backward_ == nullptr ? 0 : backward_->workspace_bytes(typed(call));
+  std::size_t backward_workspace_bytes(const BackwardArgs& args) const override {
+    return backward_ == nullptr ? 0 : backward_->workspace_bytes(args);
   }
 
   std::size_t max_backward_workspace_bytes() const override {
     return backward_ == nullptr ? 0 : backward_->workspace_bytes();
   }
 
-  qbl::BackwardDescription describe(const BackwardCall& call, bool side) const override {
-    return backward_ == nullptr ? qbl::BackwardDescription{}
-                                : backward_->describe(typed(call), side);
+  qbl::BackwardDescription describe(const BackwardArgs& args, bool side) const override {
+    return backward_ == nullptr ? qbl::BackwardDescription{} : backward_->describe(args, side);
   }
 
-  void forward(const ForwardCall& c, void* workspace, cudaStream_t stream) const override {
-    forward_.run(typed(c), workspace, stream);
+  void forward(const ForwardArgs& args, void* workspace, cudaStream_t stream) const override {
+    forward_.run(args, workspace, stream);
   }
 
-  void backward(const BackwardCall& c, void* workspace, qbl::SideStream* side,
+  void backward(const BackwardArgs& args, void* workspace, qbl::SideStream* side,
                 cudaStream_t stream) const override {
     TORCH_INTERNAL_ASSERT(backward_ != nullptr, "qbl: a backward of a layer planned without one");
-    backward_->run(typed(c), workspace, side, stream);
+    backward_->run(args, workspace, side, stream);
   }
 
  private:
-  static typename Forward::ForwardArgs typed(const ForwardCall& c) {
-    typename Forward::ForwardArgs a;
-    a.x = static_cast<const X*>(c.x), a.logits = static_cast<const L*>(c.logits);
-    a.weight = static_cast<const G*>(c.weight), a.bias = static_cast<const G*>(c.bias);
-    a.weight_fp32 = c.weight_fp32, a.bias_fp32 = c.bias_fp32;
-    a.out = static_cast<G*>(c.out), a.mixed = static_cast<G*>(c.mixed), a.stats = c.stats;
-    a.tokens = c.tokens, a.amax_source = c.amax_source;
-    return a;
-  }
-
-  static typename Backward::BackwardArgs typed(const BackwardCall& c) {
-    typename Backward::BackwardArgs a;
-    a.grad_out = static_cast<const G*>(c.grad_out), a.x = static_cast<const X*>(c.x);
-    a.logits = static_cast<const L*>(c.logits), a.weight = static_cast<const G*>(c.weight);
-    a.weight_fp32 = c.weight_fp32;
-    a.mixed = static_cast<const G*>(c.mixed), a.stats = c.stats, a.tokens = c.tokens;
-    a.grad_x = static_cast<X*>(c.grad_x), a.grad_logits = static_cast<L*>(c.grad_logits);
-    a.grad_weight = static_cast<G*>(c.grad_weight), a.grad_bias = static_cast<G*>(c.grad_bias);
-    a.quant_grad = c.quant_grad;
-    return a;
-  }
-
   const Forward forward_;
   std::unique_ptr<const Backward> backward_;  // set by the constructor only
 };
