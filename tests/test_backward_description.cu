@@ -122,11 +122,45 @@ struct Layer {
   }
 };
 
-using Cases = ::testing::Types<Case<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, qbl::Gelu>,
-                               Case<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, qbl::Identity>,
-                               Case<float, __nv_bfloat16, float, qbl::Silu>,
-                               Case<__half, __half, __half, qbl::Relu>,
-                               Case<float, float, float, qbl::GeluTanh>>;
+/// The cases, as a list for the checks below and as gtest's type list.
+template <typename... C>
+struct CaseList {
+  using Types = ::testing::Types<C...>;
+  template <typename X, typename G, typename L>
+  static constexpr bool has_types() {
+    return ((std::is_same_v<X, typename C::X> && std::is_same_v<G, typename C::G> &&
+             std::is_same_v<L, typename C::L>) ||
+            ...);
+  }
+  template <typename Act>
+  static constexpr bool has_activation() {
+    return (std::is_same_v<Act, typename C::Act> || ...);
+  }
+};
+
+using AllCases =
+    CaseList<Case<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, qbl::Gelu>,
+             Case<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, qbl::Identity>,
+             Case<float, __nv_bfloat16, float, qbl::Silu>, Case<__half, __half, __half, qbl::Relu>,
+             Case<float, float, float, qbl::GeluTanh>,
+             Case<float, __nv_bfloat16, __nv_bfloat16, qbl::Relu>,
+             Case<float, __half, float, qbl::Gelu>, Case<float, __half, __half, qbl::Identity>>;
+
+template <typename... T>
+constexpr bool every_type_triple(qbl::TypeList<T...>) {
+  return (
+      AllCases::has_types<typename T::x_type, typename T::gemm_type, typename T::logits_type>() &&
+      ...);
+}
+template <typename... Act>
+constexpr bool every_activation(qbl::TypeList<Act...>) {
+  return (AllCases::has_activation<Act>() && ...);
+}
+static_assert(every_type_triple(qbl::SupportedTypes{}),
+              "every type triple of qbl::SupportedTypes is in a case");
+static_assert(every_activation(qbl::Activations{}), "every activation is in a case");
+
+using Cases = AllCases::Types;
 
 template <typename C>
 class BackwardDescription : public ::testing::Test {};
