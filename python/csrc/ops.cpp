@@ -40,12 +40,14 @@ TORCH_LIBRARY(qbl, m) {
   // itself is the same. gemm_dtype: the GEMM's dtype where it is not x's (autocast); weight and
   // bias are then of it or float32, cast to it inside (under autocast the operators take the
   // float32 parameters, so that autograd keeps the parameter itself for the backward rather than
-  // a cast copy).
+  // a cast copy). plan_backward: a backward of this layer will follow, so its backward is planned
+  // with the forward, at the forward's one wait (else on the first backward); the autograd kernel
+  // sets it where autograd records the call. The computation is the same.
   m.def(
       "forward(Tensor x, Tensor logits, Tensor weight, Tensor? bias, Tensor? stats=None, "
       "str activation=\"none\", bool keep_mixed=True, bool straight_through=False, "
-      "bool allow_tf32=False, ScalarType? gemm_dtype=None) -> (Tensor out, Tensor mixed, "
-      "Tensor stats)");
+      "bool allow_tf32=False, ScalarType? gemm_dtype=None, bool plan_backward=False) -> "
+      "(Tensor out, Tensor mixed, Tensor stats)");
   // mixed None: recomputed from x and stats (the forward kept none). gemm_dtype as the forward's;
   // a float32 weight is cast to it for dgrad, and grad_weight and grad_bias come back in the
   // weight's dtype (the GEMM dtype's gradients cast, as autograd casts them through a cast).

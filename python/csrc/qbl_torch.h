@@ -213,7 +213,8 @@ inline Tensor no_output(const at::TensorOptions& o) { return at::empty({0}, o); 
 using ForwardSignature = std::tuple<Tensor, Tensor, Tensor>(
     const Tensor& x, const Tensor& logits, const Tensor& weight, const std::optional<Tensor>& bias,
     const std::optional<Tensor>& stats, c10::string_view activation, bool keep_mixed,
-    bool straight_through, bool allow_tf32, std::optional<ScalarType> gemm_dtype);
+    bool straight_through, bool allow_tf32, std::optional<ScalarType> gemm_dtype,
+    bool plan_backward);
 using BackwardSignature = std::tuple<Tensor, Tensor, Tensor, Tensor>(
     const Tensor& grad_out, const Tensor& x, const Tensor& logits, const Tensor& weight,
     const std::optional<Tensor>& mixed, const Tensor& stats, bool has_bias,
@@ -223,15 +224,6 @@ using BackwardSignature = std::tuple<Tensor, Tensor, Tensor, Tensor>(
 // The operators as the dispatcher knows them, for calls below the autograd and autocast keys.
 const c10::TypedOperatorHandle<ForwardSignature>& forward_op();
 const c10::TypedOperatorHandle<BackwardSignature>& backward_op();
-
-// ---- autograd (autograd_kernel.cpp) ------------------------------------------------------------
-
-/// Would autograd record a forward of these inputs (grad mode on and an input requiring grad)?
-bool records(const Tensor& x, const Tensor& logits, const Tensor& weight,
-             const std::optional<Tensor>& bias);
-/// True on this thread while the autograd kernel runs a forward that autograd records (below that
-/// kernel grad mode is off, so the CUDA kernel cannot tell by itself whether to plan a backward).
-bool recorded_by_autograd();
 
 // ---- the layer cache (cuda/layer_registry.cu; empty without CUDA) -------------------------------
 

@@ -13,7 +13,7 @@ __all__ = ["quant_blend_linear", "all_reduce_amax", "clear_cache", "cache_info"]
 
 @torch.library.register_fake("qbl::forward")
 def _forward_fake(x, logits, weight, bias, stats=None, activation="none", keep_mixed=True,
-                  straight_through=False, allow_tf32=False, gemm_dtype=None):
+                  straight_through=False, allow_tf32=False, gemm_dtype=None, plan_backward=False):
     g = gemm_dtype if gemm_dtype is not None else x.dtype
     out = x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=g)
     mixed = x.new_empty(x.shape, dtype=g)

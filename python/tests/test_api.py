@@ -557,6 +557,43 @@ def test_cache_grows_in_powers_of_two_and_clears(cuda_device):
 
 
 @pytest.mark.cuda
+def test_a_forward_a_backward_follows_plans_the_backward_with_it(cuda_device):
+    """plan_backward: a forward that autograd records, or one called with plan_backward=True,
+    plans the layer's backward with itself (its backward then plans nothing: no second wait, and
+    no planning during a CUDA graph capture); a forward under no_grad or with no input requiring
+    grad plans the forward alone. The results are the same bits in every case."""
+    n_in, n_out, tokens = 56, 40, 50
+    x, l, w, b = H.make_inputs((tokens,), n_in, n_out, torch.float32, cuda_device, seed=3)
+    trained = w.detach().clone().requires_grad_()
+
+    def under_no_grad():
+        with torch.no_grad():
+            return torch.ops.qbl.forward(x, l, trained, b)
+
+    cases = {
+        "no input requires grad": (lambda: torch.ops.qbl.forward(x, l, w, b), False),
+        "under no_grad": (under_no_grad, False),
+        "autograd records": (lambda: torch.ops.qbl.forward(x, l, trained, b), True),
+        "plan_backward=True": (lambda: torch.ops.qbl.forward(x, l, w, b, plan_backward=True),
+                               True),
+    }
+    mixed = {}
+    try:
+        for name, (call, plans_backward) in cases.items():
+            qbl.clear_cache()
+            _, mixed[name], _ = call()
+            rows = _cache_rows(n_in, n_out)
+            assert len(rows) == 1 and rows[0]["backward"] == plans_backward, (
+                f"{name}: expected a layer planned {'with' if plans_backward else 'without'} "
+                f"its backward: {rows}")
+            assert (rows[0]["backward_workspace_bytes"] > 0) == plans_backward, f"{name}: {rows}"
+        for name in cases:
+            H.assert_bits_equal(mixed[name], mixed["no input requires grad"], f"mixed ({name})")
+    finally:
+        qbl.clear_cache()
+
+
+@pytest.mark.cuda
 def test_overlap_wgrad_from_the_environment(monkeypatch, cuda_device):
     """QBL_OVERLAP_WGRAD=1 and =0 both plan a working backward with the same bits (grad_bias also
     within the column-sum bound of the float64 sum); =0 plans one cuBLASLt workspace instead of

@@ -128,6 +128,17 @@ def _calls(gm, name):
     return [n for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target)]
 
 
+def _argument(node, name):
+    """The value of argument `name` in a graph's call of an operator (its default if not passed)."""
+    schema = node.target._schema
+    for i, a in enumerate(schema.arguments):
+        if a.name == name:
+            if i < len(node.args):
+                return node.args[i]
+            return node.kwargs.get(name, a.default_value)
+    raise KeyError(f"{schema.name} has no argument {name}")
+
+
 def _inputs(lead, dtype, device, seed, n_in=48, n_out=32):
     x, l, _, _ = H.make_inputs(lead, n_in, n_out, dtype, device, seed=seed)
     return x, l, H.make_grad_out((*lead, n_out), dtype, device, seed=seed + 1)
@@ -175,6 +186,10 @@ def test_compile_fullgraph_aot_eager_calls_qbl_ops(dtype, act, keep, device):
         f"Dynamo's graph does not call qbl.forward:\n{graphs['dynamo'][0].graph}")
     assert graphs["forward"] and _calls(graphs["forward"][0], "qbl.forward"), (
         f"AOT forward graph(s) without qbl.forward: {[str(g.graph) for g in graphs['forward']]}")
+    # The forward graph was traced through the autograd kernel, which says a backward follows:
+    # the compiled forward plans the backward with itself, as an eager training forward does.
+    planned = [_argument(n, "plan_backward") for n in _calls(graphs["forward"][0], "qbl.forward")]
+    assert planned == [True], f"AOT forward graph's qbl.forward plan_backward: {planned}"
     assert graphs["backward"] and _calls(graphs["backward"][0], "qbl.backward"), (
         f"AOT backward graph(s) without qbl.backward: {[str(g.graph) for g in graphs['backward']]}")
     torch._dynamo.reset()

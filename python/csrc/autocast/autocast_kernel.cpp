@@ -100,7 +100,8 @@ template <c10::DeviceType Device, c10::DispatchKey Key>
 std::tuple<Tensor, Tensor, Tensor> forward_autocast(
     const Tensor& x, const Tensor& logits, const Tensor& weight, const std::optional<Tensor>& bias,
     const std::optional<Tensor>& stats, c10::string_view activation, bool keep_mixed,
-    bool straight_through, bool allow_tf32, std::optional<ScalarType> gemm_dtype) {
+    bool straight_through, bool allow_tf32, std::optional<ScalarType> gemm_dtype,
+    bool plan_backward) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const ScalarType a = at::autocast::get_autocast_dtype(Device);
   if (gemm_dtype.has_value() || x.device().type() != Device ||
@@ -108,7 +109,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_autocast(
     if (gemm_dtype.has_value() || !x.is_floating_point() || !logits.is_floating_point())
       // Explicit GEMM types (or nothing autocast would touch): as called.
       return forward_op().call(x, logits, weight, bias, stats, activation, keep_mixed,
-                               straight_through, allow_tf32, gemm_dtype);
+                               straight_through, allow_tf32, gemm_dtype, plan_backward);
     return reference_under_autocast(x, logits, weight, bias, stats,
                                     parse_activation("qbl.forward", activation), straight_through,
                                     a, Device);
@@ -117,7 +118,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_autocast(
   const auto [w, b] = fused_parameters(a, weight, bias, Device);
   const ScalarType g = x.scalar_type() == at::kFloat ? a : x.scalar_type();
   return forward_op().call(x, logits, w, b, stats, activation, keep_mixed, straight_through,
-                           allow_tf32, g);
+                           allow_tf32, g, plan_backward);
 }
 
 }  // namespace

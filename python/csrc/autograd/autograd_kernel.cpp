@@ -15,36 +15,31 @@
 namespace qbl_torch {
 namespace {
 
-/// True on this thread while the autograd kernel runs a forward that autograd records.
-thread_local bool recording = false;
-
-/// Sets `recording` for its scope.
-class Recording {
- public:
-  explicit Recording(bool on) : saved_(recording) { recording = on; }
-  ~Recording() { recording = saved_; }
-  Recording(const Recording&) = delete;
-  Recording& operator=(const Recording&) = delete;
-
- private:
-  bool saved_;
-};
+/// Would autograd record a forward of these inputs (grad mode on and an input requiring grad)?
+bool records(const Tensor& x, const Tensor& logits, const Tensor& weight,
+             const std::optional<Tensor>& bias) {
+  return at::GradMode::is_enabled() &&
+         (x.requires_grad() || logits.requires_grad() || weight.requires_grad() ||
+          (given(bias) && bias->requires_grad()));
+}
 
 class LayerFunction : public torch::autograd::Function<LayerFunction> {
  public:
   // bias and stats are optional: apply() makes an input of every defined tensor argument (an
   // undefined Tensor argument is an error there), and the backward's results follow the arguments.
+  // recorded: autograd records this call (grad mode is off in here, so it is told, not asked); a
+  // backward then follows, and the forward plans it.
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& logits,
       const Tensor& weight, const std::optional<Tensor>& bias, const std::optional<Tensor>& stats,
       const std::string& activation, bool keep_mixed, bool straight_through, bool allow_tf32,
-      std::optional<ScalarType> gemm_dtype) {
+      std::optional<ScalarType> gemm_dtype, bool plan_backward, bool recorded) {
     at::AutoDispatchBelowADInplaceOrView below;
     auto [out, mixed, stats_out] =
         forward_op().call(x, logits, weight, bias, stats, activation, keep_mixed, straight_through,
-                          allow_tf32, gemm_dtype);
-    // (needs_input_grad() is only valid where autograd records this call: `recording`.)
-    const bool need_mixed = keep_mixed && recording && ctx->needs_input_grad(2);
+                          allow_tf32, gemm_dtype, plan_backward || recorded);
+    // (needs_input_grad() is only valid where autograd records this call.)
+    const bool need_mixed = keep_mixed && recorded && ctx->needs_input_grad(2);
     ctx->save_for_backward({x, logits, weight, need_mixed ? mixed : Tensor(), stats_out});
     ctx->saved_data["has_bias"] = given(bias);
     ctx->saved_data["activation"] = activation;
@@ -65,7 +60,7 @@ class LayerFunction : public torch::autograd::Function<LayerFunction> {
     const Tensor& x = saved[0];
     // out's gradient undefined (out reached no loss): every input's gradient is zero, which
     // autograd writes as undefined.
-    if (!grads[0].defined()) return torch::autograd::variable_list(10);
+    if (!grads[0].defined()) return torch::autograd::variable_list(12);
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     const std::array<bool, 4> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                       ctx->needs_input_grad(2),
@@ -82,7 +77,7 @@ class LayerFunction : public torch::autograd::Function<LayerFunction> {
         backward_op().call(grads[0], x, saved[1], saved[2], mixed, saved[4], has_bias, mask,
                            activation, ctx->saved_data["straight_through"].toBool(),
                            ctx->saved_data["allow_tf32"].toBool(), gemm_dtype);
-    torch::autograd::variable_list result(10);
+    torch::autograd::variable_list result(12);
     result[0] = mask[0] ? gx : Tensor();
     result[1] = mask[1] ? gl : Tensor();
     result[2] = mask[2] ? gw : Tensor();
@@ -94,13 +89,14 @@ class LayerFunction : public torch::autograd::Function<LayerFunction> {
 std::tuple<Tensor, Tensor, Tensor> forward_autograd(
     const Tensor& x, const Tensor& logits, const Tensor& weight, const std::optional<Tensor>& bias,
     const std::optional<Tensor>& stats, c10::string_view activation, bool keep_mixed,
-    bool straight_through, bool allow_tf32, std::optional<ScalarType> gemm_dtype) {
+    bool straight_through, bool allow_tf32, std::optional<ScalarType> gemm_dtype,
+    bool plan_backward) {
   const std::optional<Tensor> b = given(bias) ? bias : std::nullopt;
   const std::optional<Tensor> s =
       given(stats) ? std::optional<Tensor>(stats->detach()) : std::nullopt;
-  const Recording on(records(x, logits, weight, b));
   auto r = LayerFunction::apply(x, logits, weight, b, s, std::string(activation), keep_mixed,
-                                straight_through, allow_tf32, gemm_dtype);
+                                straight_through, allow_tf32, gemm_dtype, plan_backward,
+                                records(x, logits, weight, b));
   return {r[0], r[1], r[2]};
 }
 
@@ -115,15 +111,6 @@ Tensor local_amax_autograd(const Tensor& x, c10::string_view activation) {
 }
 
 }  // namespace
-
-bool records(const Tensor& x, const Tensor& logits, const Tensor& weight,
-             const std::optional<Tensor>& bias) {
-  return at::GradMode::is_enabled() &&
-         (x.requires_grad() || logits.requires_grad() || weight.requires_grad() ||
-          (given(bias) && bias->requires_grad()));
-}
-
-bool recorded_by_autograd() { return recording; }
 
 }  // namespace qbl_torch
 

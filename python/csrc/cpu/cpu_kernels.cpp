@@ -269,17 +269,16 @@ Tensor blend(const Tensor& x, const Tensor& alpha, float scale, const Dtypes& dt
 
 // The forward: eager's activation and sigmoid on the tensors as given, then amax (or stats[0]),
 // the scale and the blend here, then eager's F.linear on mixed of x's shape.
-std::tuple<Tensor, Tensor, Tensor> forward_cpu(const Tensor& x_in, const Tensor& logits_in,
-                                               const Tensor& weight_in,
-                                               const std::optional<Tensor>& bias_in,
-                                               const std::optional<Tensor>& stats_in,
-                                               c10::string_view activation, bool keep_mixed,
-                                               bool straight_through, bool allow_tf32,
-                                               std::optional<ScalarType> gemm_dtype) {
+std::tuple<Tensor, Tensor, Tensor> forward_cpu(
+    const Tensor& x_in, const Tensor& logits_in, const Tensor& weight_in,
+    const std::optional<Tensor>& bias_in, const std::optional<Tensor>& stats_in,
+    c10::string_view activation, bool keep_mixed, bool straight_through, bool allow_tf32,
+    std::optional<ScalarType> gemm_dtype, bool plan_backward) {
   constexpr const char* op = "qbl.forward";
-  // The forward is the same for these; autograd reads the first two, and a float32 GEMM on the
-  // CPU is exact float32 whatever allow_tf32 says (TF32 is a CUDA tensor-core format).
-  (void)keep_mixed, (void)straight_through, (void)allow_tf32;
+  // The forward is the same for these; autograd reads the first two, a float32 GEMM on the CPU is
+  // exact float32 whatever allow_tf32 says (TF32 is a CUDA tensor-core format), and the CPU plans
+  // nothing.
+  (void)keep_mixed, (void)straight_through, (void)allow_tf32, (void)plan_backward;
   const qbl::Activation act = parse_activation(op, activation);
   const ForwardProblem f =
       check_forward(op, x_in, logits_in, weight_in, bias_in, stats_in, gemm_dtype);

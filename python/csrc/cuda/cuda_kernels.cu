@@ -34,13 +34,11 @@ struct Parameter {
 };
 
 // The forward, from x's own amax or (stats given) from stats[0]; with an activation, of act(x).
-std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& x_in, const Tensor& logits_in,
-                                                const Tensor& weight_in,
-                                                const std::optional<Tensor>& bias_in,
-                                                const std::optional<Tensor>& stats_in,
-                                                c10::string_view activation, bool keep_mixed,
-                                                bool straight_through, bool allow_tf32,
-                                                std::optional<ScalarType> gemm_dtype) {
+std::tuple<Tensor, Tensor, Tensor> forward_cuda(
+    const Tensor& x_in, const Tensor& logits_in, const Tensor& weight_in,
+    const std::optional<Tensor>& bias_in, const std::optional<Tensor>& stats_in,
+    c10::string_view activation, bool keep_mixed, bool straight_through, bool allow_tf32,
+    std::optional<ScalarType> gemm_dtype, bool plan_backward) {
   constexpr const char* op = "qbl.forward";
   (void)keep_mixed, (void)straight_through;  // the forward is the same; autograd reads them
   const qbl::Activation act = parse_activation(op, activation);
@@ -62,9 +60,9 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& x_in, const Tensor
   const Parameter bias = has_bias ? Parameter(*bias_in, dtypes.gemm) : Parameter();
   const LayerKey key{x.get_device(), dtypes,         act,
                      p.in_features,  p.out_features, allow_tf32 && dtypes.gemm == at::kFloat};
-  // A forward recording autograd will be followed by a backward: plan both now, at one wait.
-  const bool training = recorded_by_autograd() || records(x_in, logits_in, weight_in, bias_in);
-  const Layer& layer = cached_layer(key, p.tokens, training, stream);
+  // A backward will follow (autograd records this call, or the caller says so): plan both now, at
+  // one wait.
+  const Layer& layer = cached_layer(key, p.tokens, plan_backward, stream);
   dispatch_layer_types(dtypes, [&](auto t) {
     using X = typename decltype(t)::x_type;
     using G = typename decltype(t)::gemm_type;
