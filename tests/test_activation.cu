@@ -31,20 +31,22 @@ const float nan = std::numeric_limits<float>::quiet_NaN();
 
 // ---- float64 formulas, written from the activations' definitions (not from qbl's code) --------
 
+constexpr double pi = 3.14159265358979323846;
+/// GELU's tanh form is 0.5 h (1 + tanh(inner(h))): inner and its derivative.
+double tanh_inner(double h) { return std::sqrt(2.0 / pi) * (h + 0.044715 * h * h * h); }
+double tanh_inner_derivative(double h) {
+  return std::sqrt(2.0 / pi) * (1.0 + 3.0 * 0.044715 * h * h);
+}
+
 double erf_gelu(double h) { return 0.5 * h * (1.0 + std::erf(h / std::sqrt(2.0))); }
 double erf_gelu_grad(double h) {
-  const double pi = 3.14159265358979323846;
   return 0.5 * (1.0 + std::erf(h / std::sqrt(2.0))) +
          h * std::exp(-0.5 * h * h) / std::sqrt(2 * pi);
 }
-double tanh_gelu(double h) {
-  const double pi = 3.14159265358979323846;
-  return 0.5 * h * (1.0 + std::tanh(std::sqrt(2.0 / pi) * (h + 0.044715 * h * h * h)));
-}
+double tanh_gelu(double h) { return 0.5 * h * (1.0 + std::tanh(tanh_inner(h))); }
 double tanh_gelu_grad(double h) {
-  const double pi = 3.14159265358979323846, c = std::sqrt(2.0 / pi);
-  const double t = std::tanh(c * (h + 0.044715 * h * h * h));
-  return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * h * h);
+  const double t = std::tanh(tanh_inner(h));
+  return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * tanh_inner_derivative(h);
 }
 double silu(double h) { return h / (1.0 + std::exp(-h)); }
 double silu_grad(double h) {
@@ -70,7 +72,6 @@ double sigmoid64(double h) { return 1.0 / (1.0 + std::exp(-h)); }
 
 double erf_gelu_loss(double h) { return 0.5 * std::fabs(h) * E; }
 double erf_gelu_grad_loss(double h) {
-  const double pi = 3.14159265358979323846;
   const double cdf = 0.5 * (1.0 + std::erf(h / std::sqrt(2.0)));
   const double h_pdf = h * std::exp(-0.5 * h * h) / std::sqrt(2 * pi);
   return 0.5 * E + 8 * u * std::fabs(cdf) + (8 + 0.5 * h * h) * u * std::fabs(h_pdf);
@@ -78,17 +79,15 @@ double erf_gelu_grad_loss(double h) {
 /// The tanh form: the argument's relative error (4u) moves tanh by (1 - t^2) |inner| 4u, which the
 /// cancellation in 1 + t amplifies as E does.
 double tanh_gelu_error_of_one_plus_t(double h) {
-  const double pi = 3.14159265358979323846, c = std::sqrt(2.0 / pi);
-  const double inner = c * (h + 0.044715 * h * h * h);
+  const double inner = tanh_inner(h);
   const double t = std::tanh(inner);
   return E + (1.0 - t * t) * std::fabs(inner) * 4 * u;
 }
 double tanh_gelu_loss(double h) { return 0.5 * std::fabs(h) * tanh_gelu_error_of_one_plus_t(h); }
 double tanh_gelu_grad_loss(double h) {
-  const double pi = 3.14159265358979323846, c = std::sqrt(2.0 / pi);
-  const double t = std::tanh(c * (h + 0.044715 * h * h * h));
+  const double t = std::tanh(tanh_inner(h));
   const double e = tanh_gelu_error_of_one_plus_t(h);
-  const double inner_derivative = c * (1.0 + 3.0 * 0.044715 * h * h);
+  const double inner_derivative = tanh_inner_derivative(h);
   const double left = 0.5 * (1.0 + t), right = 0.5 * h * (1.0 - t * t) * inner_derivative;
   // 1 - t^2 = fma(-t, t, 1) with t off by e: off by 2|t| e.
   return 0.5 * e + std::fabs(h) * inner_derivative * e +
