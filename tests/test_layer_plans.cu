@@ -314,7 +314,7 @@ const P* odd(const P* p) {
 // ---- bad arguments: one named test each ---------------------------------------------------------
 
 /// The exception a bad argument makes run() throw.
-enum class Throws { invalid_argument, out_of_range };
+using qbl_test::Throws;
 
 /// The forward's bad arguments: each is the full forward with one argument changed.
 enum class ForwardBad {
@@ -345,13 +345,7 @@ enum class ForwardBad {
 };
 
 /// One bad argument of the forward: the test's name, the change, what run() throws.
-struct ForwardCase {
-  const char* name;
-  ForwardBad bad;
-  Throws throws;
-};
-
-void PrintTo(const ForwardCase& c, std::ostream* os) { *os << c.name; }
+using ForwardCase = qbl_test::BadCase<ForwardBad>;
 
 constexpr ForwardCase forward_cases[] = {
     {"NullX", ForwardBad::null_x, Throws::invalid_argument},
@@ -481,41 +475,8 @@ struct ForwardSetup {
   Args good() const { return buffers.template arguments<Args>(); }
 };
 
-template <typename List>
-struct ForwardSetupsOf;
-template <typename... T>
-struct ForwardSetupsOf<qbl::TypeList<T...>> {
-  using type = std::tuple<std::unique_ptr<ForwardSetup<T>>...>;
-};
-
 /// A ForwardSetup for every supported type triple, its buffers filled from a fresh seed each.
-class ForwardPlanArguments : public ::testing::Test {
- protected:
-  void SetUp() override {
-    QBL_REQUIRE_GPU();
-    qbl::for_each_type(qbl::SupportedTypes{}, [&](auto t) {
-      auto& s = setup<decltype(t)>();
-      s = std::make_unique<ForwardSetup<decltype(t)>>();
-      QBL_ASSERT_CUDA(s->buffers.fill(qbl_test::fresh_seed()));
-    });
-  }
-
-  /// f(setup) for every supported type triple, in qbl::SupportedTypes's order, its types traced.
-  template <typename F>
-  void for_each_triple(F&& f) {
-    qbl::for_each_type(qbl::SupportedTypes{}, [&](auto t) {
-      SCOPED_TRACE(qbl_test::types_name(qbl_test::triple_of<decltype(t)>()));
-      f(*setup<decltype(t)>());
-    });
-  }
-
- private:
-  template <typename T>
-  std::unique_ptr<ForwardSetup<T>>& setup() {
-    return std::get<std::unique_ptr<ForwardSetup<T>>>(setups_);
-  }
-  ForwardSetupsOf<qbl::SupportedTypes>::type setups_;
-};
+class ForwardPlanArguments : public qbl_test::EachTypeTriple<ForwardSetup> {};
 
 class ForwardPlanBadArgument : public ForwardPlanArguments,
                                public ::testing::WithParamInterface<ForwardCase> {};
@@ -530,14 +491,10 @@ TEST_P(ForwardPlanBadArgument, ThrowsItsTypeAndWritesNothing) {
       SCOPED_TRACE(source == qbl::AmaxSource::x ? "amax from x" : "amax from stats");
       auto args = s.good();
       args.amax_source = source;
-      make_bad(c.bad, args, s.buffers);
+      make_bad(c.change, args, s.buffers);
       QBL_ASSERT_CUDA(s.buffers.poison());
       EXPECT_FALSE(s.plan.supports(args));
-      if (c.throws == Throws::invalid_argument) {
-        EXPECT_THROW(s.plan.run(args, s.ws.get()), qbl::invalid_argument);
-      } else {
-        EXPECT_THROW(s.plan.run(args, s.ws.get()), qbl::out_of_range);
-      }
+      qbl_test::expect_throws(c.throws, [&] { s.plan.run(args, s.ws.get()); });
       QBL_ASSERT_CUDA(cudaDeviceSynchronize());
       EXPECT_TRUE(s.buffers.untouched());
     }
@@ -545,9 +502,7 @@ TEST_P(ForwardPlanBadArgument, ThrowsItsTypeAndWritesNothing) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Each, ForwardPlanBadArgument, ::testing::ValuesIn(forward_cases),
-                         [](const ::testing::TestParamInfo<ForwardCase>& i) {
-                           return std::string(i.param.name);
-                         });
+                         qbl_test::CaseName());
 
 // Good arguments with a null workspace: supports() says yes (it does not see the workspace), run()
 // throws qbl::invalid_argument before anything is launched.
@@ -578,13 +533,7 @@ constexpr std::int64_t backward_max_tokens = 512;
 
 /// One bad argument of the backward (fp32): the test's name, the change made to the full
 /// backward's arguments over a Problem, what run() throws.
-struct BackwardCase {
-  const char* name;
-  void (*change)(Bwd::BackwardArgs& a, Problem& p);
-  Throws throws;
-};
-
-void PrintTo(const BackwardCase& c, std::ostream* os) { *os << c.name; }
+using BackwardCase = qbl_test::BadCase<void (*)(Bwd::BackwardArgs& a, Problem& p)>;
 
 using BArgs = Bwd::BackwardArgs;
 constexpr Throws invalid = Throws::invalid_argument;
@@ -700,19 +649,13 @@ TEST_P(BackwardPlanBadArgument, ThrowsItsTypeAndTouchesNothing) {
     BArgs args = p_->backward_args();
     c.change(args, *p_);
     EXPECT_FALSE(bwd_->supports(args)) << "supports() accepted what run() must reject";
-    if (c.throws == Throws::invalid_argument) {
-      EXPECT_THROW(bwd_->run(args, ws_->get(), s), qbl::invalid_argument);
-    } else {
-      EXPECT_THROW(bwd_->run(args, ws_->get(), s), qbl::out_of_range);
-    }
+    qbl_test::expect_throws(c.throws, [&] { bwd_->run(args, ws_->get(), s); });
     expect_untouched();
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Each, BackwardPlanBadArgument, ::testing::ValuesIn(backward_cases),
-                         [](const ::testing::TestParamInfo<BackwardCase>& i) {
-                           return std::string(i.param.name);
-                         });
+                         qbl_test::CaseName());
 
 // Good arguments with a null workspace: supports() says yes, run() throws qbl::invalid_argument
 // before anything is launched.

@@ -35,6 +35,8 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
+#include <ostream>
 #include <random>
 #include <string>
 #include <utility>
@@ -743,78 +745,107 @@ TYPED_TEST(LayerBackwardNonFinite, EachCaseFollowsTheFormulas) {
 using Layer = qbl::QuantBlendLinear<float>;
 using Args = Layer::BackwardArgs;
 
-/// One bad call: the case's full backward (all four gradients) with one argument changed.
-struct BadCase {
-  const char* name;
-  std::function<void(Args&, BwdBuffers<float>&)> change;
-  enum { invalid, range } expect;
+/// The layer's backward bad arguments, and two the plan checks, to show the layer passes them on.
+using qbl_test::Throws;
+enum class BackwardBad {
+  recompute_without_x,
+  grad_x_without_stats,
+  null_grad_out,
+  tokens_above_max
+};
+using BackwardCase = qbl_test::BadCase<BackwardBad>;
+constexpr BackwardCase backward_cases[] = {
+    // stats given, mixed null and x null: recomputing mixed needs x.
+    {"NullMixedAndNullX", BackwardBad::recompute_without_x, Throws::invalid_argument},
+    // mixed given, stats null, grad_x wanted: it needs the scale.
+    {"NullStatsGradXWanted", BackwardBad::grad_x_without_stats, Throws::invalid_argument},
+    {"NullGradOutThePlansCheck", BackwardBad::null_grad_out, Throws::invalid_argument},
+    {"TokensAboveMaxTokensThePlansCheck", BackwardBad::tokens_above_max, Throws::out_of_range},
 };
 
-TEST(LayerBackwardBadInput, EveryCaseThrowsItsTypeAndTouchesNothing) {
-  QBL_REQUIRE_GPU();
-  BwdCase c;
-  c.tokens = 300, c.in = 128, c.out = 64, c.max_tokens = 512, c.seed = qbl_test::fresh_seed();
-  const BwdData d = make_data(c);
-  BwdBuffers<float> buf(c);
-  QBL_ASSERT_CUDA(buf.upload(d));
-  using B = BwdBuffers<float>;
-  const std::vector<BadCase> cases = {
-      {"stats given, mixed null and x null (recomputing mixed needs x)",
-       [](Args& a, B&) { a.mixed = nullptr, a.x = nullptr; }, BadCase::invalid},
-      {"mixed given, stats null, grad_x wanted (it needs the scale)",
-       [](Args& a, B&) { a.stats = nullptr; }, BadCase::invalid},
-      {"null grad_out (the plan's check)", [](Args& a, B&) { a.grad_out = nullptr; },
-       BadCase::invalid},
-      {"tokens > max_tokens (the plan's check)",
-       [](Args& a, B& b) { a.tokens = b.c.max_tokens + 1; }, BadCase::range},
-  };
-  const std::vector<float> x_before = d.x, w_before = d.w;
-  qbl::Options o;
-  o.backward = true;
-  auto expect_untouched = [&] {
+/// A float32 layer with Options::backward for 512 tokens, its forward run on 300 tokens of 128 ->
+/// 64 features, the gradients poisoned, and x's and the weight's bits before any backward.
+class LayerBackwardArguments : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    QBL_REQUIRE_GPU();
+    c_.tokens = 300, c_.in = 128, c_.out = 64, c_.max_tokens = 512;
+    c_.seed = qbl_test::fresh_seed();
+    d_ = make_data(c_);
+    buf_.emplace(c_);
+    QBL_ASSERT_CUDA(buf_->upload(d_));
+    qbl::Options o;
+    o.backward = true;
+    layer_.emplace(c_.in, c_.out, c_.max_tokens, o);
+    buf_->forward(*layer_);
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    read_output(buf.gx, 0, buf.nx, false, "grad_x");
-    read_output(buf.gl, 0, static_cast<std::size_t>(c.tokens), false, "grad_logits");
-    read_output(buf.gw, 0, buf.nw, false, "grad_weight");
-    read_output(buf.gb, 0, static_cast<std::size_t>(c.out), false, "grad_bias");
-    std::vector<float> x(d.x.size()), w(d.w.size());
-    QBL_ASSERT_CUDA(qbl_test::to_host(x, buf.x.get()));
-    QBL_ASSERT_CUDA(qbl_test::to_host(w, buf.w.get()));
-    EXPECT_TRUE(qbl_test::bits_equal(x, x_before)) << "x changed";
-    EXPECT_TRUE(qbl_test::bits_equal(w, w_before)) << "weight changed";
-  };
-  Layer layer(c.in, c.out, c.max_tokens, o);
-  for (const BadCase& bc : cases) {
-    SCOPED_TRACE(bc.name);
-    buf.forward(layer);
+    QBL_ASSERT_CUDA(buf_->poison(d_));
+  }
+
+  /// Every gradient output keeps its poison, x and weight their values.
+  void expect_untouched() {
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    QBL_ASSERT_CUDA(buf.poison(d));
-    Args args = buf.args();
-    bc.change(args, buf);
-    // The plan's own check says the same, without throwing.
-    EXPECT_FALSE(layer.backward_plan()->supports(args))
-        << "supports() accepted what backward() must reject";
-    if (bc.expect == BadCase::invalid) {
-      EXPECT_THROW(layer.backward(args), qbl::invalid_argument);
-    } else {
-      EXPECT_THROW(layer.backward(args), qbl::out_of_range);
-    }
-    expect_untouched();
+    const BwdBuffers<float>& b = *buf_;
+    read_output(b.gx, 0, b.nx, false, "grad_x");
+    read_output(b.gl, 0, static_cast<std::size_t>(c_.tokens), false, "grad_logits");
+    read_output(b.gw, 0, b.nw, false, "grad_weight");
+    read_output(b.gb, 0, static_cast<std::size_t>(c_.out), false, "grad_bias");
+    std::vector<float> x(d_.x.size()), w(d_.w.size());
+    QBL_ASSERT_CUDA(qbl_test::to_host(x, b.x.get()));
+    QBL_ASSERT_CUDA(qbl_test::to_host(w, b.w.get()));
+    EXPECT_TRUE(qbl_test::bits_equal(x, d_.x)) << "x changed";
+    EXPECT_TRUE(qbl_test::bits_equal(w, d_.w)) << "weight changed";
   }
-  {
-    SCOPED_TRACE("use after move");
-    QBL_ASSERT_CUDA(buf.poison(d));
-    Layer taken = std::move(layer);
-    EXPECT_THROW(buf.backward(layer), qbl::logic_error);
-    expect_untouched();
+
+  BwdCase c_;
+  BwdData d_;
+  std::optional<BwdBuffers<float>> buf_;
+  std::optional<Layer> layer_;
+};
+
+class LayerBackwardBadArgument : public LayerBackwardArguments,
+                                 public ::testing::WithParamInterface<BackwardCase> {};
+
+// The full backward (all four gradients) with one argument changed throws its type before
+// anything is launched, and the backward plan's supports() says no to the same arguments.
+TEST_P(LayerBackwardBadArgument, ThrowsItsTypeAndTouchesNothing) {
+  Args args = buf_->args();
+  switch (GetParam().change) {
+    case BackwardBad::recompute_without_x:
+      args.mixed = nullptr, args.x = nullptr;
+      break;
+    case BackwardBad::grad_x_without_stats:
+      args.stats = nullptr;
+      break;
+    case BackwardBad::null_grad_out:
+      args.grad_out = nullptr;
+      break;
+    case BackwardBad::tokens_above_max:
+      args.tokens = c_.max_tokens + 1;
+      break;
   }
-  {
-    SCOPED_TRACE("no Options::backward");
-    QBL_ASSERT_CUDA(buf.poison(d));
-    Layer plain(c.in, c.out, c.max_tokens);
-    EXPECT_THROW(buf.backward(plain), qbl::logic_error);
-    expect_untouched();
-  }
+  EXPECT_FALSE(layer_->backward_plan()->supports(args))
+      << "supports() accepted what backward() must reject";
+  qbl_test::expect_throws(GetParam().throws, [&] { layer_->backward(args); });
+  expect_untouched();
+}
+
+INSTANTIATE_TEST_SUITE_P(Each, LayerBackwardBadArgument, ::testing::ValuesIn(backward_cases),
+                         qbl_test::CaseName());
+
+// A moved-from layer's backward throws qbl::logic_error and touches nothing.
+TEST_F(LayerBackwardArguments, UseAfterMoveThrowsLogicErrorAndTouchesNothing) {
+  Layer taken = std::move(*layer_);
+  EXPECT_THROW(buf_->backward(*layer_), qbl::logic_error);
+  expect_untouched();
+}
+
+// A layer made without Options::backward refuses a backward with qbl::logic_error and touches
+// nothing.
+TEST_F(LayerBackwardArguments, NoBackwardPlanThrowsLogicErrorAndTouchesNothing) {
+  Layer plain(c_.in, c_.out, c_.max_tokens);
+  EXPECT_THROW(buf_->backward(plain), qbl::logic_error);
+  expect_untouched();
 }
 
 TEST(LayerBackwardBadInput, ZeroTokensIsANoOp) {

@@ -12,11 +12,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <functional>
 #include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -95,60 +95,88 @@ TEST(QuantBlendLinearBadInput, WorkspaceThatCannotBeAllocatedIsOutOfMemory) {
 // reaching the caller unchanged: each throws its type before anything is launched, and out, the
 // caller's mixed and stats keep their poison. (The plan's checks are tested case by case in
 // test_layer_plans.cu.)
-template <typename T>
-class QuantBlendLinearBadInputTyped : public ::testing::Test {};
-TYPED_TEST_SUITE(QuantBlendLinearBadInputTyped, qbl_test::SupportedTypes,
-                 qbl_test::SupportedTypeNames);
 
-TYPED_TEST(QuantBlendLinearBadInputTyped, EveryCaseThrowsItsTypeAndWritesNothing) {
-  QBL_REQUIRE_GPU();
-  using X = typename TypeParam::x_type;
-  using G = typename TypeParam::gemm_type;
-  using Lg = typename TypeParam::logits_type;
-  using L = qbl::QuantBlendLinear<X, G, Lg>;
-  using Args = typename L::ForwardArgs;
-  using Buffers = qbl_test::ForwardBuffers<X, G, Lg>;
+/// A QuantBlendLinear of type triple T (a qbl::LayerTypes<X, G, L>) for 512 tokens over
+/// qbl_test::ForwardBuffers.
+template <typename T>
+struct LayerSetup {
+  using Layer =
+      qbl::QuantBlendLinear<typename T::x_type, typename T::gemm_type, typename T::logits_type>;
+  using Args = typename Layer::ForwardArgs;
+  using Buffers =
+      qbl_test::ForwardBuffers<typename T::x_type, typename T::gemm_type, typename T::logits_type>;
   const Buffers buffers;
-  QBL_ASSERT_CUDA(buffers.fill(qbl_test::fresh_seed()));
-  enum Expect { invalid, range };
-  struct Case {
-    const char* name;
-    std::function<void(Args&)> change;
-    Expect expect;
-  };
-  const std::vector<Case> cases = {
-      {"null mixed, stats given", [](Args& a) { a.mixed = nullptr; }, invalid},
-      {"null stats, mixed given", [](Args& a) { a.stats = nullptr; }, invalid},
-      {"null x (the plan's check)", [](Args& a) { a.x = nullptr; }, invalid},
-      {"tokens > max_tokens (the plan's check)", [](Args& a) { a.tokens = 513; }, range},
-  };
-  L layer(Buffers::in, Buffers::out, 512);
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    Args args = buffers.template arguments<Args>();
-    c.change(args);
-    QBL_ASSERT_CUDA(buffers.poison());
-    if (c.expect == invalid) {
-      EXPECT_THROW(layer.forward(args), qbl::invalid_argument);
-    } else {
-      EXPECT_THROW(layer.forward(args), qbl::out_of_range);
-    }
-    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    EXPECT_TRUE(buffers.untouched());
+  Layer layer{Buffers::in, Buffers::out, 512};
+  /// The full forward's arguments, every pointer set, for all the tokens.
+  Args good() const { return buffers.template arguments<Args>(); }
+};
+
+/// A LayerSetup for every supported type triple, its buffers filled from a fresh seed each.
+class QuantBlendLinearArguments : public qbl_test::EachTypeTriple<LayerSetup> {};
+
+/// The layer's own bad arguments (the plan's are test_layer_plans's), and two the plan checks,
+/// to show the layer passes them on.
+using qbl_test::Throws;
+enum class LayerBad { null_mixed_stats_given, null_stats_mixed_given, null_x, tokens_above_max };
+using LayerCase = qbl_test::BadCase<LayerBad>;
+constexpr LayerCase layer_cases[] = {
+    {"NullMixedStatsGiven", LayerBad::null_mixed_stats_given, Throws::invalid_argument},
+    {"NullStatsMixedGiven", LayerBad::null_stats_mixed_given, Throws::invalid_argument},
+    {"NullXThePlansCheck", LayerBad::null_x, Throws::invalid_argument},
+    {"TokensAboveMaxTokensThePlansCheck", LayerBad::tokens_above_max, Throws::out_of_range},
+};
+
+template <typename Args>
+void make_bad(LayerBad bad, Args& a) {
+  switch (bad) {
+    case LayerBad::null_mixed_stats_given:
+      a.mixed = nullptr;
+      return;
+    case LayerBad::null_stats_mixed_given:
+      a.stats = nullptr;
+      return;
+    case LayerBad::null_x:
+      a.x = nullptr;
+      return;
+    case LayerBad::tokens_above_max:
+      a.tokens = 513;
+      return;
   }
-  {
-    SCOPED_TRACE("use after move");
-    QBL_ASSERT_CUDA(buffers.poison());
-    L taken = std::move(layer);
-    const Buffers& b = buffers;
-    EXPECT_THROW(layer.forward(b.x.get(), b.logits.get(), b.weight.get(), b.bias.get(), b.y.get(),
-                               Buffers::tokens),
-                 qbl::logic_error);
-    EXPECT_THROW(layer.forward_local_amax(b.x.get(), Buffers::tokens, b.stats.get()),
-                 qbl::logic_error);
+}
+
+class QuantBlendLinearBadArgument : public QuantBlendLinearArguments,
+                                    public ::testing::WithParamInterface<LayerCase> {};
+
+// For every supported type triple, the forward with one argument changed throws its type before
+// anything is launched: out, mixed and stats keep their poison.
+TEST_P(QuantBlendLinearBadArgument, ThrowsItsTypeAndWritesNothing) {
+  const LayerCase& c = GetParam();
+  for_each_triple([&](auto& s) {
+    auto args = s.good();
+    make_bad(c.change, args);
+    QBL_ASSERT_CUDA(s.buffers.poison());
+    qbl_test::expect_throws(c.throws, [&] { s.layer.forward(args); });
     QBL_ASSERT_CUDA(cudaDeviceSynchronize());
-    EXPECT_TRUE(buffers.untouched());
-  }
+    EXPECT_TRUE(s.buffers.untouched());
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Each, QuantBlendLinearBadArgument, ::testing::ValuesIn(layer_cases),
+                         qbl_test::CaseName());
+
+// A moved-from layer's forward (both overloads) throws qbl::logic_error and writes nothing.
+TEST_F(QuantBlendLinearArguments, UseAfterMoveThrowsLogicErrorAndWritesNothing) {
+  for_each_triple([&](auto& s) {
+    QBL_ASSERT_CUDA(s.buffers.poison());
+    auto taken = std::move(s.layer);
+    const auto& b = s.buffers;
+    EXPECT_THROW(s.layer.forward(b.x.get(), b.logits.get(), b.weight.get(), b.bias.get(), b.y.get(),
+                                 b.tokens),
+                 qbl::logic_error);
+    EXPECT_THROW(s.layer.forward_local_amax(b.x.get(), b.tokens, b.stats.get()), qbl::logic_error);
+    QBL_ASSERT_CUDA(cudaDeviceSynchronize());
+    EXPECT_TRUE(s.buffers.untouched());
+  });
 }
 
 // ---- forward and backward allocate nothing and never synchronize --------------------------

@@ -8,6 +8,7 @@
 
 #include <qbl/activation.cuh>
 #include <qbl/element_math.hpp>
+#include <qbl/error.hpp>
 #include <qbl/types.hpp>
 
 #include "reference.hpp"
@@ -16,8 +17,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <memory>
 #include <ostream>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -243,6 +246,82 @@ struct ForwardBuffers {
             {mixed.get(), mixed.size() * sizeof(G)},
             {stats.get(), stats.size() * sizeof(float)}};
   }
+};
+
+/// What a bad argument throws.
+enum class Throws { invalid_argument, out_of_range };
+
+/// Expects call() to throw `t`'s qbl exception.
+template <typename F>
+void expect_throws(Throws t, F&& call) {
+  if (t == Throws::out_of_range) {
+    EXPECT_THROW(call(), qbl::out_of_range);
+  } else {
+    EXPECT_THROW(call(), qbl::invalid_argument);
+  }
+}
+
+/// One bad-argument case of a parameterized suite: its test's name, the change (`Change`: an enum
+/// the test switches on, or a function), and what the call throws.
+template <typename Change>
+struct BadCase {
+  const char* name;
+  Change change;
+  Throws throws;
+};
+
+/// gtest prints a BadCase by its name.
+template <typename Change>
+void PrintTo(const BadCase<Change>& c, std::ostream* os) {
+  *os << c.name;
+}
+
+/// INSTANTIATE_TEST_SUITE_P's name generator for cases that carry a `name`.
+struct CaseName {
+  template <typename P>
+  std::string operator()(const ::testing::TestParamInfo<P>& i) const {
+    return i.param.name;
+  }
+};
+
+/// A fixture for tests over every supported type triple T (a qbl::LayerTypes<X, G, L>): a Per<T>
+/// for each, made when a test starts, its ForwardBuffers `buffers` filled from a seed of its own.
+/// Per<T> holds the plan or layer under test beside the buffers (the forward's bad-argument
+/// suites of the plans and of QuantBlendLinear).
+template <template <typename> class Per>
+class EachTypeTriple : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    QBL_REQUIRE_GPU();
+    qbl::for_each_type(qbl::SupportedTypes{}, [&](auto t) {
+      auto& s = setup<decltype(t)>();
+      s = std::make_unique<Per<decltype(t)>>();
+      QBL_ASSERT_CUDA(s->buffers.fill(fresh_seed()));
+    });
+  }
+
+  /// f(setup) for every supported type triple, in qbl::SupportedTypes's order, its types traced.
+  template <typename F>
+  void for_each_triple(F&& f) {
+    qbl::for_each_type(qbl::SupportedTypes{}, [&](auto t) {
+      SCOPED_TRACE(types_name(triple_of<decltype(t)>()));
+      f(*setup<decltype(t)>());
+    });
+  }
+
+ private:
+  template <typename List>
+  struct SetupsOf;
+  template <typename... T>
+  struct SetupsOf<qbl::TypeList<T...>> {
+    using type = std::tuple<std::unique_ptr<Per<T>>...>;
+  };
+
+  template <typename T>
+  std::unique_ptr<Per<T>>& setup() {
+    return std::get<std::unique_ptr<Per<T>>>(setups_);
+  }
+  typename SetupsOf<qbl::SupportedTypes>::type setups_;
 };
 
 }  // namespace qbl_test
